@@ -103,8 +103,14 @@ def _measure(value: int, config: ModelConfig, strategy: Strategy, accounting: Ac
 
 
 def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candidate | None, Candidate]:
-    """The candidate of the largest k that fits (None if k = 1 does not), and that of k + 1: bytes only grow
-    with k, and an invalid k (past a learned position table) stays invalid above."""
+    """The candidate of the largest k that fits (None if k = 1 does not), and that of k + 1; an invalid k (past a
+    learned position table) stays invalid above.
+
+    Bytes grow with k but where megatron's fused softmax runs at some sizes only (s a multiple of 4, b*a/t of 4 or
+    8): there a multiple of the block keeps less than its neighbours. Doubling brackets [2^j, 2^(j+1)], so every
+    midpoint is such a multiple until the bracket is one block wide, and the unfused form keeps more than the fused
+    one at the same size: a midpoint that does not fit rules out every k above it (brute force pins this in
+    tests/sizing/test_fit.py)."""
     try_value = lru_cache(maxsize=None)(try_value)
     lo, hi = 0, 1
     while try_value(hi).fits(budget):  # double until some k does not fit
