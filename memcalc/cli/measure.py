@@ -14,7 +14,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
-from memcalc.probe import LAYERS, ROUTES, routing_fixed
+from memcalc.probe import LAYERS, ROUTES, capacity_caps_worst, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -107,6 +107,10 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
                           " tensors do not depend on them)")
     if layer is None:
         layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
+    if route == "all-to-one" and config.moe_tokens == "worst" and capacity_caps_worst(config):
+        raise ConfigError("--route all-to-one pins moe_tokens worst only where no capacity caps it: with"
+                          " moe_expert_capacity_factor unpadded that bound is every expert full, which the route does"
+                          " not make; set moe_pad_expert_input_to_capacity, or leave the capacity factor unset")
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits

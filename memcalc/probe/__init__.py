@@ -26,6 +26,13 @@ def routing_fixed(config: Any, route: str | None) -> bool:
     the bytes its dispatcher moves follow the routing."""
     return not config.moe or (route == "balanced" and config.moe_tokens == "balanced")
 
+
+def capacity_caps_worst(config: Any) -> bool:
+    """Whether a capacity factor, not padded, caps the worst bound at every expert full (`routed_slots`): an upper
+    bound, which the all-to-one route does not make (it fills only the k experts it sends every token to), so that
+    route no longer pins moe_tokens worst."""
+    return config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity
+
 INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')"
 
 

@@ -20,7 +20,7 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import check_strategy
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.probe import require_torch, routing_fixed
+from memcalc.probe import capacity_caps_worst, require_torch, routing_fixed
 from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, run_fake
@@ -648,7 +648,8 @@ def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
     experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
     grouped = config.impl == "hf" and config.experts_implementation == "grouped_mm" or \
         config.impl == "torchtitan" and config.ep == 1
-    return (routing_fixed(config, route) or experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
+    worst = route == "all-to-one" and config.moe_tokens == "worst" and not capacity_caps_worst(config)
+    return (routing_fixed(config, route) or experts_apart and worst
             or grouped and route is not None and config.moe_tokens == "balanced")
 
 

@@ -416,7 +416,7 @@ def _tensor_bytes(
         return prod(sorted(rank_shape(x, strategy, sizes, t), key=np.size), start=element_bytes(x.kind, knobs,
                                                                                                 accounting))
 
-    conditions = {c.tensor.name: c for c in implementation(knobs).size_conditions}
+    conditions = {c.tensor.name: c for c in implementation(knobs).size_conditions if c.applies(knobs)}
     split = t if strategy.tensor_parallel else 1
 
     def term(x: SavedTensor) -> np.ndarray:

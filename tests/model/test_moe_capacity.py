@@ -46,3 +46,19 @@ def test_without_padding_no_bound_passes_the_slots_there_are():
 def test_padding_without_a_capacity_and_an_expert_bias_without_sigmoid_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
         estimate(build_config(SIZES | knobs), STRATEGIES["none"])
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_the_all_gather_map_of_one_token_is_a_view_of_the_routers_capacity_mask(pad):
+    # found by a random-shape hunt: with nothing gathered (t*ep = 1), local_map.T.contiguous() of one token's (1, E)
+    # map is a view of the mask the router's probs * map keeps; the ledger counted those E bytes twice
+    knobs = {"moe_token_dispatcher_type": "allgather", "moe_expert_capacity_factor": 1.0, "t": 1,
+             "moe_pad_expert_input_to_capacity": pad}
+
+    def names(**sizes: int) -> set[str]:
+        prediction = estimate(build_config(SIZES | knobs | sizes), STRATEGIES["none"], Accounting(exact=True))
+        return {x.tensor.name for x in prediction.tensors}
+
+    assert "moe/allgather_map" not in names(b=1, s=1)
+    assert {"moe/allgather_map", "moe/capacity_mask"} <= names(b=1, s=2)  # a copy from two tokens on
+    assert "moe/allgather_map" in names(b=1, s=1, ep=2)  # gathered over ep: a new map

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from memcalc.config.schema import ModelConfig, build_config
 from memcalc.model.evaluate import dim_sizes, estimate
 from memcalc.model.impls.megatron import CONDITIONS, FUSED_SOFTMAX
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import Dim
 from memcalc.model.strategy import NONE, TP, TP_SP
 
@@ -98,9 +98,11 @@ def _fused_softmax_runs(fields: dict) -> tuple[bool, ...]:
 
 
 def _size_choices(fields: dict) -> tuple[bool, ...]:
-    """Whether the fused softmax runs, and each size condition keeps its tensor, under each strategy's split."""
+    """Whether the fused softmax runs, and each size condition these knobs meet keeps its tensor, under each
+    strategy's split."""
     config = build_config(fields)
-    kept = tuple(bool(c.kept(dim_sizes(config), t)) for c in CONDITIONS for t in (1, config.t))
+    conditions = (c for c in CONDITIONS if c.applies(Knobs.of(config)))
+    kept = tuple(bool(c.kept(dim_sizes(config), t)) for c in conditions for t in (1, config.t))
     return (*_fused_softmax_runs(fields), *kept)
 
 

@@ -136,5 +136,6 @@ def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int
     rule = size_rule(knobs)
     kept = rule.outside(knobs, accounting) if rule is not None and not rule.runs_at(knobs, sizes, t) else \
         layer_tensors(knobs, accounting)
-    changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions if not c.kept(sizes, t)}
+    changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions
+               if c.applies(knobs) and not c.kept(sizes, t)}
     return tuple(y for x in kept for y in changed.get(x.name, (x,)))

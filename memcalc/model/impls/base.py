@@ -60,6 +60,14 @@ class SizeRule:
         return (self.runs_for(knobs) if self.runs_for is not None else self.runs)(sizes, t)
 
 
+def always(knobs: Any) -> bool:
+    """Every knob set: a size condition's `applies` by default, and a refusal's `when` for a layout the library
+    runs under no knobs: `plan` cites it when the layout is asked for by name, the implementation's page says it,
+    and the commands that show every layout leave it out without a note (the library never runs it, so nothing
+    about these knobs needs saying)."""
+    return True
+
+
 @record
 class SizeCondition:
     """One tensor a layer keeps as written only at some sizes; elsewhere `instead` in its place (nothing if empty).
@@ -73,13 +81,7 @@ class SizeCondition:
     what: str
     kept: Callable[[dict[Any, Any], Any], Any]  # (sizes by Dim, t: the layout's split) -> bool or bool array
     instead: tuple[SavedTensor, ...] = ()
-
-
-def always(knobs: Any) -> bool:
-    """A refusal's `when` for a layout the library runs under no knobs: `plan` cites it when the layout is asked
-    for by name, the implementation's page says it, and the commands that show every layout leave it out without
-    a note (the library never runs it, so nothing about these knobs needs saying)."""
-    return True
+    applies: Callable[[Any], bool] = always  # the knobs under which the sizes choose (elsewhere `tensor` is kept)
 
 
 @record

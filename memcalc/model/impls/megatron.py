@@ -444,6 +444,14 @@ CONDITIONS = (
         " in the query copy's place",
         kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.G] // t > 1), instead=(QKV_OUT,),
     ),
+    SizeCondition(
+        GATHERED_ROUTING_MAP, "with a capacity, the router's map is the one its product (probs * map) keeps; with"
+        " tp*ep = 1 (nothing gathered) and one token or one expert, the all-gather dispatcher's"
+        " local_map.T.contiguous() is a view of it, and masked_select keeps that same mask",
+        kept=lambda sizes, t: (t > 1) | (sizes[Dim.E] > sizes[Dim.EL])
+        | ((sizes[Dim.B] * sizes[Dim.S] > 1) & (sizes[Dim.E] > 1)),
+        applies=lambda knobs: knobs.moe_expert_capacity_factor is not None,
+    ),
 )
 
 

@@ -429,7 +429,7 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         _ROUTER("forward", ledger.MOE_IN, arg=0, view=batch_first),
         *_router_rules(config),
         _ROUTER("scatter", ledger.ROUTER_TOPK_INDICES, nth=0, arg=2, view=_tokens(config.b)),  # zeros.scatter(1, i, p)
-        *_dispatch_rules(config),
+        *_dispatch_rules(config, t),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
         *_activation_rules(config, expert, rules.EXPERT_ACT, _EXPERT_FC1_OUT, lambda x: x),
@@ -479,17 +479,19 @@ def _router_rules(config: ModelConfig) -> tuple[Rule, ...]:
             _ROUTER("mul", loss, nth=capacity + 1))
 
 
-def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
+def _dispatch_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """The dispatcher's permute (in MoELayer's frame): masked_select's map and transposed probabilities (the
     second masked_select; the first picks token indices), then the tokens' index_select indices. Padded to
     capacity the probabilities are gathered by index_select first. The all-gather dispatcher's map and
     probabilities are its E/ep local experts' columns of the gathered tokens, (E/ep, ep*s*b): b*s*E elements,
-    shown in the ledger's (b, s, E)."""
+    shown in the ledger's (b, s, E); with a capacity and nothing gathered (t*ep = 1), a view of the map is one of
+    the router's capacity mask (labelled there)."""
     tokens, b, experts = _tokens(config.b), config.b, config.num_experts
+    mask_viewed = config.moe_expert_capacity_factor is not None and t * config.ep == 1
     if config.moe_token_dispatcher_type == "allgather":
         return (
             Rule("*mlp", "masked_select", rules.GATHERED_ROUTING_MAP, nth=1, arg=1,
-                 view=lambda m: m.view(b, -1, experts)),
+                 view=lambda m: None if mask_viewed and m._base is not None else m.view(b, -1, experts)),
             Rule("*mlp", "masked_select", rules.GATHERED_PROBS_T, nth=1, arg=0,
                  view=lambda p: p.view(b, -1, experts)),
             Rule("*mlp", "index_select", rules.GATHERED_PERMUTE_INDICES, nth=0, arg=2),

@@ -81,6 +81,15 @@ CASES = {
     "all-gather padded to capacity 0.5, ep=4": ("none", 1, {"moe_token_dispatcher_type": "allgather", "ep": 4,
                                                           "moe_expert_capacity_factor": 0.5,
                                                           "moe_pad_expert_input_to_capacity": True}),
+    # found by a random-shape hunt: with nothing gathered (t*ep = 1) the dispatcher's map of one token, or of one
+    # expert, is a view of the router's capacity mask; the probe stopped on the storage labelled twice, the rules
+    # counted it twice (E bytes over)
+    "all-gather padded to capacity, one token: the dispatcher's map a view of the router's mask":
+        ("none", 1, {"moe_token_dispatcher_type": "allgather", "moe_expert_capacity_factor": 1.0,
+                     "moe_pad_expert_input_to_capacity": True, "b": 1, "s": 1}),
+    "all-gather with a capacity, one expert, three tokens: its map a view of the router's mask too":
+        ("none", 1, TOP1 | {"moe_token_dispatcher_type": "allgather", "moe_expert_capacity_factor": 1.0,
+                            "num_experts": 1, "b": 1, "s": 3}),
 }
 
 
