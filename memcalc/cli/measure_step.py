@@ -107,7 +107,8 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest))
         console.print(f"ran as: {r.model}, {r.how()}")
         for note in (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
-                     *(notes(config.impl, pp_step=True) if config.pp > 1 else ())):
+                     *(notes(config.impl, pp_step=True) if config.pp > 1 else ()),
+                     *(notes(config.impl, zero_step=True) if config.zero_stage is not None else ())):
             console.print(f"[dim]shim: {note}[/dim]")
         console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 

@@ -269,7 +269,8 @@ def _spawned_rank(
     try:
         job: _Job = pickle.loads(pickled_job)  # here, so that a module fn cannot be imported from is reported
         status = "unjoined"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.t))  # t ranks share this machine's cores
+        if "OMP_NUM_THREADS" not in os.environ:  # a user's (or the tests') thread count is kept as torch reads it
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.t))  # t ranks share this machine's cores
         store = dist.TCPStore(LOCALHOST, store_port, is_master=False, timeout=_store_timeout(job))
         device = _rank_device(job.device, rank)
         with _joined(job.backend, rank, job.t, device, store=store, timeout=timedelta(seconds=job.timeout_s)) as tp:

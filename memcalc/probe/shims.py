@@ -38,6 +38,7 @@ class Shim:
     route: bool = False  # only under --route, which prints its own line (each runner's route_note)
     cuda_step: bool = False  # only where `measure --step --device cuda` runs the CPU as CUDA runs
     pp_step: bool = False  # only where `measure --step` runs a pipeline stage (pp > 1)
+    zero_step: bool = False  # only where `measure --step` runs DeepSpeed's ZeRO engine (--zero-stage)
 
     def note(self) -> str:
         """The line `memcalc measure` prints under the table (after "shim: ")."""
@@ -165,15 +166,21 @@ SHIMS: tuple[Shim, ...] = (
          "DeepSeek-V3's router weight and bias stay fp32, and the experts' and router's weights get the model's"
          " normal(0, initializer_range)",
          "the layer is built alone: as from_pretrained loads it and _init_weights fills it", Kind.BUILT),
+    # -- deepspeed 0.19.8 (memcalc.probe.libs.hf_zero) --
+    Shim("hf", "deepspeed.comm.torch.build_shm_op (--zero-stage)",
+         "DeepSpeed's comm backend starts without its shared-memory all-reduce op, which its CPU accelerator would"
+         " JIT-compile (a minute on a fresh machine)",
+         "only inference_all_reduce calls the op: ZeRO's step never makes or holds its tensors", Kind.RUNS,
+         zero_step=True),
 )
 
 
-def notes(library: str, cuda_step: bool = False, pp_step: bool = False) -> tuple[str, ...]:
+def notes(library: str, cuda_step: bool = False, pp_step: bool = False, zero_step: bool = False) -> tuple[str, ...]:
     """The `shim:` lines `memcalc measure --impl <library>` prints, every change but the --route ones, which it
     prints with their route; with `cuda_step`, those `measure --step --device cuda` adds; with `pp_step`, those a
-    pipeline stage's `measure --step` adds."""
+    pipeline stage's `measure --step` adds; with `zero_step`, those a ZeRO step's adds."""
     return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step
-                 and s.pp_step == pp_step)
+                 and s.pp_step == pp_step and s.zero_step == zero_step)
 
 
 @contextmanager

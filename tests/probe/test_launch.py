@@ -209,3 +209,15 @@ def test_torchrun_mode_joins_from_the_environment_and_leaves(monkeypatch):
     with pytest.raises(ProbeError, match=r"t=2, but torchrun started WORLD_SIZE=1 ranks"):
         run(_whoami, mode="torchrun", t=2)
 
+
+
+def _threads(tp) -> int:
+    return torch.get_num_threads()
+
+
+@pytest.mark.procs
+def test_spawned_ranks_keep_the_thread_count_omp_num_threads_set():
+    """The suite's conftest sets OMP_NUM_THREADS=1 (a user may set it too): a rank keeps it rather than taking
+    cpu_count/t cores, which on a many-core machine oversubscribes ranks run side by side."""
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert run_spawned(_threads, (), t=1) == [1]

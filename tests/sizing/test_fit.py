@@ -154,6 +154,8 @@ def test_a_cheaper_residue_class_past_the_first_that_fails_is_still_found():
 
 @pytest.mark.parametrize("solve, fields", [
     ("s", GPT | {"attention": "eager"}),  # b*a/t = 4 fills a block above s = 128 only, at multiples of 4
+    # the same, where s = 128 (unfused) keeps more than 132 (fused): doubling's 128 fails, and 132 still fits
+    ("s", GPT | {"attention": "eager", "h": 16, "L": 4, "vocab_size": 64, "dropout": 0.0}),
     ("b", GPT | {"attention": "eager", "h": 48, "a": 12, "attention_softmax_in_fp32": True}),  # a/t = 3: b % 4
 ])
 def test_where_the_fused_softmax_runs_only_at_some_sizes_no_larger_value_fits(solve, fields):

@@ -178,3 +178,13 @@ def test_every_moment_of_the_zero_walk_is_memtrackers_reading_after_some_op_in_o
     config = make_config(LLAMA, zero_stage=stage, dp=2, **changes)
     moments = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu")).moments[1:]
     assert_moments_in_order(moments, _readings_after_every_op(config))
+
+
+def test_deepspeeds_comm_backend_starts_without_the_shm_op_it_would_jit_compile(one_thread):
+    """The probe's DeepSpeed runs without the shared-memory all-reduce op its CPU accelerator builds (a minute of
+    compiling on a fresh machine): only inference_all_reduce calls it, and the step's bytes are the walk's without
+    it."""
+    from deepspeed.comm import comm
+
+    _exact(_step(1, b=1, s=3))
+    assert comm.cdb.shm_comm_op is None
