@@ -63,9 +63,10 @@ def command(
     --gpus, each candidate derives its own dp = gpus/(t*pp*cp). The layout's
     sharding (--dp-shard, --zero-stage) is counted as each stack keeps it.
 
-    Answers are exact: the answer fits by `memcalc estimate --totals` and the next
-    valid value does not. Recompute none, selective and full are each tried
-    unless --recompute picks one. Exits 3 if nothing fits (2 is bad input).
+    Answers are exact: the answer fits by `memcalc estimate --totals`, the next
+    valid value does not, and no larger value fits. Recompute none, selective and
+    full are each tried unless --recompute picks one. Exits 3 if nothing fits (2
+    is bad input).
 
     \b
     Example: memcalc fit --config gpt3-175b --budget 80GiB --solve b

@@ -1,20 +1,22 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp, ep or dp_shard.
 
 Every answer is an exact integer, found by evaluating what `memcalc estimate --totals` bases its verdict on (or
-the totals, or the activations alone), never by rounding a formula: it fits by estimate's own numbers and the next
-valid value does not. Why each search is sound: docs/guide-fit-totals.md, section 2.
+the totals, or the activations alone), never by rounding a formula: it fits by estimate's own numbers, the next
+valid value does not, and no larger value fits. Why each search is sound: docs/guide-fit-totals.md, section 2.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import lcm
+from math import gcd, lcm
 from typing import Callable
 
 from memcalc.config.schema import ModelConfig, build_config
 from memcalc.errors import ConfigError
-from memcalc.model.knobs import Accounting
+from memcalc.model.impls import size_rule
+from memcalc.model.knobs import Accounting, Knobs
+from memcalc.model.ledger import Dim
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.divisors import divisors
 from memcalc.sizing.totals import per_gpu
@@ -89,7 +91,7 @@ def fit(
         answer, beyond = _smallest(solve, name, size, try_value, budget)
     else:
         step = sequence_step(config, strategy) if solve == "s" else 1
-        answer, beyond = _largest(lambda k: try_value(k * step), budget)
+        answer, beyond = _largest(lambda k: try_value(k * step), budget, *_classes(config, solve, step))
     return Fit(strategy, config.recompute, solve, answer, beyond)
 
 
@@ -102,25 +104,58 @@ def _measure(value: int, config: ModelConfig, strategy: Strategy, accounting: Ac
     return Candidate(value, needed.bytes, basis=needed.basis)
 
 
-def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candidate | None, Candidate]:
-    """The candidate of the largest k that fits (None if k = 1 does not), and that of k + 1; an invalid k (past a
-    learned position table) stays invalid above.
+def _classes(config: ModelConfig, solve: str, step: int) -> tuple[int, tuple[int, ...]]:
+    """The period and edges in k (value k * step) of the size rule's pattern in the solved size (its `pattern`, on
+    one context rank's s/cp tokens): (1, ()) where bytes grow with k throughout, as without a size rule."""
+    rule = size_rule(Knobs.of(config))
+    dim, per_rank = {"s": (Dim.S, config.cp), "b": (Dim.B, 1)}[solve]
+    if rule is None or dim not in rule.pattern:
+        return 1, ()
+    period, edges = rule.pattern[dim]
+    period *= per_rank
+    starts = {-(-edge * per_rank // step) for edge in edges}  # the first k at or past each edge
+    return period // gcd(period, step), tuple(sorted(k for k in starts if k > 1))
 
-    Bytes grow with k but where megatron's fused softmax runs at some sizes only (s a multiple of 4, b*a/t of 4 or
-    8): there a multiple of the block keeps less than its neighbours. Doubling brackets [2^j, 2^(j+1)], so every
-    midpoint is such a multiple until the bracket is one block wide, and the unfused form keeps more than the fused
-    one at the same size: a midpoint that does not fit rules out every k above it (brute force pins this in
-    tests/sizing/test_fit.py)."""
+
+def _largest(
+    try_value: Callable[[int], Candidate], budget: int, period: int = 1, edges: tuple[int, ...] = ()
+) -> tuple[Candidate | None, Candidate]:
+    """The candidate of the largest k that fits (None if none does), and that of k + 1. Bytes grow with k within
+    each piece (the first from 1, the next from each edge) and residue class mod `period`, where a size rule's kernel
+    runs throughout or nowhere; an invalid k (past a learned position table) stays invalid above. The highest piece
+    with a fit holds the answer: each of its classes is searched above the largest k found so far."""
     try_value = lru_cache(maxsize=None)(try_value)
+    best = 0
+    for start, stop in reversed(tuple(zip((1, *edges), (*edges, None)))):
+        for residue in range(period):
+            first = max(start, best + 1)
+            first += (residue - first) % period
+            if stop is None or first < stop:
+                count = None if stop is None else (stop - 1 - first) // period + 1
+                best = max(best, _last_fit(try_value, budget, first, period, count))
+        if best:
+            break
+    return (try_value(best) if best else None), try_value(best + 1)
+
+
+def _last_fit(
+    try_value: Callable[[int], Candidate], budget: int, first: int, period: int, count: int | None
+) -> int:
+    """The largest k of first, first + period, ... (`count` of them; None: unbounded) that fits, 0 if none does:
+    doubling the index n of k = first + (n - 1) * period until one does not fit, then bisecting, as bytes grow."""
+    def k(n: int) -> int:
+        return first + (n - 1) * period
+
     lo, hi = 0, 1
-    while try_value(hi).fits(budget):  # double until some k does not fit
-        if hi >= _SEARCH_LIMIT:
-            raise ConfigError(f"every value up to {try_value(hi).value} fits; is the budget right?")
+    while (count is None or hi <= count) and try_value(k(hi)).fits(budget):
+        if k(hi) >= _SEARCH_LIMIT:
+            raise ConfigError(f"every value up to {try_value(k(hi)).value} fits; is the budget right?")
         lo, hi = hi, 2 * hi
+    hi = hi if count is None else min(hi, count + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if try_value(mid).fits(budget) else (lo, mid)
-    return (try_value(lo) if lo else None), try_value(hi)
+        lo, hi = (mid, hi) if try_value(k(mid)).fits(budget) else (lo, mid)
+    return k(lo) if lo else 0
 
 
 # What each split must divide: t | a, pp | L, and cp | s/2 (each context rank takes two chunks of 2cp).

@@ -1,8 +1,13 @@
 """Where what a layer keeps depends on the sizes: Megatron's fused causal softmax runs only in a window."""
 
+import numpy as np
+import pytest
+
 from memcalc.config.schema import build_config
 from memcalc.model.evaluate import estimate
+from memcalc.model.impls.megatron import FUSED_SOFTMAX, fused_softmax_runs
 from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Dim
 from memcalc.model.strategy import STRATEGIES, TP
 from memcalc.sizing.sweep import evaluate_sweep, make_sweep
 
@@ -50,3 +55,17 @@ def test_a_sweep_across_the_window_takes_each_points_own_set():
         row = result.row(i)
         config = build_config(GPT3 | {"s": row["s"]})
         assert row["per_layer_bytes"] == estimate(config, STRATEGIES[row["strategy"]]).per_layer_bytes
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 6, 8, 12])
+def test_the_fused_softmax_depends_on_s_and_b_only_as_its_pattern_declares(heads):
+    """Within each piece the rule's `pattern` declares, fused_softmax_runs depends on s (b) only through its residue
+    mod the declared period: what lets `memcalc fit` search each residue class alone."""
+    for dim, other, fixed in ((Dim.S, Dim.B, (1, 2, 3, 5, 8)), (Dim.B, Dim.S, (1, 16, 17, 100, 128, 129, 2048, 4097))):
+        period, edges = FUSED_SOFTMAX.pattern[dim]
+        values = np.arange(1, 5000)
+        piece = np.searchsorted(np.array(edges), values, side="right")
+        for size in fixed:
+            runs = fused_softmax_runs({dim: values, other: size, Dim.A: heads}, 1)
+            for key in np.unique(piece * period + values % period):
+                assert len(set(runs[piece * period + values % period == key])) == 1, (dim, size, key)

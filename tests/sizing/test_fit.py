@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
-from memcalc.sizing.fit import fit
+from memcalc.sizing.fit import Candidate, _largest, fit
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP
 from memcalc.sizing.timeline import timelines
 from memcalc.sizing.totals import per_gpu
@@ -142,13 +142,25 @@ def test_counting_the_peak_falls_back_on_the_total_where_the_step_is_not_modelle
     assert got.answer.bytes == _needs(fields | {"b": got.answer.value}, TP_SP)
 
 
+def test_a_cheaper_residue_class_past_the_first_that_fails_is_still_found():
+    """Where a kernel runs only on some residues (k % 3 == 2 here), bytes grow within each class, not across them:
+    the answer is the largest k that fits in any class, not where one bisection over every k lands (20)."""
+    def try_value(k: int) -> Candidate:
+        return Candidate(k, 10 * k - (35 if k % 3 == 2 else 0))
+
+    answer, beyond = _largest(try_value, 200, period=3)
+    assert (answer.value, beyond.value, beyond.bytes) == (23, 24, 240)
+
+
 @pytest.mark.parametrize("solve, fields", [
     ("s", GPT | {"attention": "eager"}),  # b*a/t = 4 fills a block above s = 128 only, at multiples of 4
+    # the same, where s = 128 (unfused) keeps more than 132 (fused): doubling's 128 fails, and 132 still fits
+    ("s", GPT | {"attention": "eager", "h": 16, "L": 4, "vocab_size": 64, "dropout": 0.0}),
     ("b", GPT | {"attention": "eager", "h": 48, "a": 12, "attention_softmax_in_fp32": True}),  # a/t = 3: b % 4
 ])
 def test_where_the_fused_softmax_runs_only_at_some_sizes_no_larger_value_fits(solve, fields):
-    """Megatron's fused softmax keeps less at multiples of its block than at its neighbours (s = 129 fits, 130 and
-    131 do not, 132 does): brute force over every value up to twice the answer finds none larger that fits."""
+    """Megatron's fused softmax keeps less at multiples of its block than at its neighbours: brute force over every
+    value up to twice the answer finds none larger that fits."""
     budget = _peak(fields | {solve: 132 if solve == "s" else 8}, TP)  # a multiple of 4: the fused kernel runs
     got = fit(build_config(fields), TP, solve, budget)
     fitting = [v for v in range(1, 2 * got.answer.value + 8) if _peak(fields | {solve: v}, TP) <= budget]

@@ -54,6 +54,10 @@ class SizeRule:
     misses: Callable[[dict[Any, Any], int], str] | None = None
     runs_for: Callable[[Any], Callable[[dict[Any, Any], Any], Any]] | None = None  # the knobs pick `runs` (one rule,
     # several layers: transformers' GQA copies and GPT-NeoX's fused V differ in when they are views)
+    # Each size `runs` is not monotone in, the others fixed: (period, edges). Within each piece (the first starting at
+    # 1, the next at each edge) `runs` depends on it only through its residue mod period: where each class of it
+    # is searched alone, its bytes grow with it (`memcalc fit`). A size not named here changes `runs` only at 1.
+    pattern: dict[Any, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def runs_at(self, knobs: Any, sizes: dict[Any, Any], t: Any) -> Any:
         """Whether the kernel runs at these sizes, under the condition these knobs' layer has."""

@@ -392,6 +392,7 @@ FUSED_SOFTMAX = SizeRule(
     and fused_softmax_kernel(knobs), runs=fused_softmax_runs,
     outside=lambda knobs, accounting: keeps(knobs, accounting, fused_softmax=False),
     misses=fused_softmax_misses,
+    pattern={Dim.S: (4, (17, 129, 4097)), Dim.B: (8, ())},  # fused_softmax_runs' s % 4, b*a/t % 8 and its window
 )
 
 
