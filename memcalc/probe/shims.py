@@ -166,7 +166,7 @@ SHIMS: tuple[Shim, ...] = (
          "DeepSeek-V3's router weight and bias stay fp32, and the experts' and router's weights get the model's"
          " normal(0, initializer_range)",
          "the layer is built alone: as from_pretrained loads it and _init_weights fills it", Kind.BUILT),
-    # -- deepspeed 0.19.8 (memcalc.probe.libs.hf_zero) --
+    # -- deepspeed 0.19.8 (memcalc.probe.libs.hf_shim, for hf_zero) --
     Shim("hf", "deepspeed.comm.torch.build_shm_op (--zero-stage)",
          "DeepSpeed's comm backend starts without its shared-memory all-reduce op, which its CPU accelerator would"
          " JIT-compile (a minute on a fresh machine)",

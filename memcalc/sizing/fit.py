@@ -24,8 +24,8 @@ from memcalc.sizing.verdict import need, step_peaks
 from memcalc.units import human_bytes
 
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
-# A guard on time: each divisor tried is a whole step walk (up to ~60 ms), and a size below 2^63 can have 103,680
-# divisors (hours when nothing fits). Every size below 1,441,440 has at most 240.
+# A guard on time: each divisor tried is a whole step walk (up to ~60 ms), and a size below 2^63 can have 161,280
+# divisors (hours when nothing fits). Every size below 1,081,080 has at most 240.
 _MOST_DIVISORS = 256
 
 

@@ -126,7 +126,8 @@ def _stage_total(
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
     per_parameter = per_parameter_shards(config, t, held)
-    states = state_bytes(config, held, experts, no_decay_params(config, stage, t), per_parameter)
+    no_decay = no_decay_params(config, stage, t) if config.zero_stage in (1, 2) else 0  # only ZeRO-1/2 pads groups
+    states = state_bytes(config, held, experts, no_decay, per_parameter)
     terms += [Term(name, STATES, n, note) for name, n in states.items()]
     if router_buffer_bytes(config, stage):
         terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))

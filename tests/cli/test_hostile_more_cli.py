@@ -401,7 +401,7 @@ def test_plot_refuses_a_flag_for_the_knob_its_line_varies(tmp_path, args):
 @pytest.mark.parametrize("solve, size", [("t", ["--h", "2162160", "--a", "2162160"]), ("pp", ["--L", "2162160"])])
 def test_fit_refuses_a_size_with_more_divisors_than_it_tries(solve, size):
     """2162160 has 320 divisors, each a whole step walk per strategy and recompute; a size below 2^63 can have
-    103,680 (hours when nothing fits)."""
+    161,280 (hours when nothing fits)."""
     run = memcalc_cli("fit", "--config", "tiny", "--budget", "1KiB", "--solve", solve, *size, "--strategy", "tp",
                       "--recompute", "full")
     one_line_error(run, "=2162160 has 320 divisors, each a", "fit tries at most 256", f"memcalc estimate --{solve} N")

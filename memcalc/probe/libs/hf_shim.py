@@ -6,6 +6,7 @@ Why each patch, and how a forced route assigns the experts: docs/probe.md, "Drop
 
 from __future__ import annotations
 
+import importlib
 from contextlib import ExitStack, contextmanager, nullcontext
 from types import MethodType
 from typing import Any, ContextManager, Iterator
@@ -101,3 +102,10 @@ def lead(logits: Any, route: str, k: int, ep: int = 1) -> Any:
         chosen = torch.tensor(dealt, device=logits.device)[chosen]
     offsets = torch.zeros(tokens, experts, dtype=logits.dtype, device=logits.device)
     return offsets.scatter_(1, chosen, _LEAD)
+
+
+def without_shm_comm_op() -> ContextManager[None]:
+    """DeepSpeed's comm backend started without the shared-memory all-reduce op its CPU accelerator JIT-compiles (a
+    minute on a fresh machine): only inference_all_reduce calls it, so ZeRO's step never makes or holds its tensors."""
+    comm = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch (import *)
+    return patched(comm, build_shm_op=lambda: None)

@@ -3,9 +3,9 @@ under DeepSpeed's own engine (ZeRO 1-3), under MemTracker (`ZeroTracker`): reach
 by `memcalc measure --step` at stages 1 and 2 (at stage 3 MemTracker does not see ds_tensor: the command refuses it).
 
 DeepSpeed 0.19.8 runs on the CPU over torch's fake process group (rank 0 of dp), its comm backend started without
-the shm comm op its CPU accelerator would JIT-build (memcalc.probe.shims: ZeRO's step never calls it). The model is
-built as `memcalc.probe.libs.hf_step` builds it, in the config's dtype (DeepSpeed's "bf16" section on or off), the
-Trainer's torch AdamW (fused) over its two parameter groups handed to `deepspeed.initialize` as the client
+the shm comm op its CPU accelerator would JIT-build (hf_shim.without_shm_comm_op: ZeRO's step never calls it). The
+model is built as `memcalc.probe.libs.hf_step` builds it, in the config's dtype (DeepSpeed's "bf16" section on or
+off), the Trainer's torch AdamW (fused) over its two parameter groups handed to `deepspeed.initialize` as the client
 optimizer, with the sizes the Trainer fills for "auto" (memcalc.sizing.timeline.zero.DEEPSPEED_AUTO). MemTracker
 sees neither DeepSpeed's fp32 master partition nor the flat buffers it makes at start-up: the partition is
 registered with it (filed as an optimizer state, as the walk files it). DeepSpeed writes to stdout, which --json
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import hf_shim
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.shims import patched
 from memcalc.probe.step import MomentTracker, StepMeasurement, batch, measure_trainer
 from memcalc.sizing.timeline.zero import DEEPSPEED_AUTO
 
@@ -125,8 +124,7 @@ def warmed_up_zero(tp: TensorParallelGroup, config: ModelConfig, route: str | No
     rest = [p for p in model.parameters() if p.dim() <= 1]
     optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4, fused=True)
     zero = {"stage": config.zero_stage, **{knob: auto(config.h) for knob, auto in DEEPSPEED_AUTO.items()}}
-    comm = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch (its import *)
-    with contextlib.redirect_stdout(sys.stderr), patched(comm, build_shm_op=lambda: None):  # --json is stdout
+    with contextlib.redirect_stdout(sys.stderr), hf_shim.without_shm_comm_op():  # --json is stdout
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": config.b, "gradient_accumulation_steps": 1, "zero_optimization": zero,
             "bf16": {"enabled": config.dtype == "bf16"}})

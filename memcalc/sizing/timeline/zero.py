@@ -290,8 +290,11 @@ class Zero:
                          " optimizer reads")
             elif not viewed:  # viewed: the optimizer's gradient is a view of grads_in_partition
                 tape.rename("zero/flat grad partition", fp32)
-            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
-                      f"{' bf16' if self.act != 4 else ''} one")
+            bf16 = " bf16" if self.act != 4 else ""
+            made = f"made from the flattened{bf16} one"
+            if viewed:
+                made = "cast from its one bf16 gradient" if bf16 else "a view of its one gradient"
+            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} {made}")
             tape.drop("zero/flat grad partition")
             last = i == len(self.groups) - 1 and self.stage != 3
             if last and fp32 in tape.live:

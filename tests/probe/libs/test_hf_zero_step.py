@@ -51,10 +51,10 @@ def _step(stage: int, **changes):
     # the embedding's gradient covers rank 0's partition of the weights (dp = 4): get_grad_norm_direct's float64
     # copy of it (8 bytes an element) is the step's peak, and flattening the one gradient is a view of it, no copy
     # (the walk had neither: 1,728 B short in bf16; in fp32 the peak's moment elsewhere; found by a drawn run)
-    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
-         "attention": "eager"}),
-    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
-         "attention": "eager", "dtype": "fp32"}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64,
+         "dp": 4, "attention": "eager"}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64,
+         "dp": 4, "attention": "eager", "dtype": "fp32"}),
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
     """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
