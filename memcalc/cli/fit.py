@@ -65,8 +65,9 @@ def command(
 
     Answers are exact: the answer fits by `memcalc estimate --totals`, the next
     valid value does not, and no larger value fits. Recompute none, selective and
-    full are each tried unless --recompute picks one. Exits 3 if nothing fits (2
-    is bad input).
+    full are each tried unless --recompute picks one.
+
+    Exits 3 if nothing fits (2 is bad input).
 
     \b
     Example: memcalc fit --config gpt3-175b --budget 80GiB --solve b
