@@ -9,7 +9,8 @@ import pytest
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
-from memcalc.sizing.states import total_params
+from memcalc.sizing.pipeline import pipeline_stages
+from memcalc.sizing.states import no_decay_params, total_params
 from memcalc.sizing.totals import per_gpu
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
 from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
@@ -208,3 +209,18 @@ def test_zero2s_gradient_norm_casts_each_gradient_of_the_partition_to_float64_an
     assert {x.name: x.bytes for x in norm.live}["zero/norm cast"] == 8 * part + 8
     cast = next(m for m in walk.moments if "fp32 gradient partition of group 0" in m.what)
     assert "zero/flat grad partition" not in {x.name for x in cast.live}
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"tie_embeddings": True}, {"family": "qwen3", "qk_layernorm": True},
+    {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48},
+    {"family": "qwen2_moe", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
+     "moe_shared_expert_intermediate_size": 40, "moe_layer_freq": 2},
+])
+def test_the_walks_group_without_weight_decay_is_the_one_the_totals_pad(changes):
+    """The walk splits the Trainer's two groups by the parameters' dimensions (norms are 1-D), `--totals` by
+    get_decay_parameter_names' rule (states.no_decay_params: norms and biases): on every family the ZeRO walk runs
+    they are the same parameters, so each group is padded alike."""
+    config = build_config(LLAMA | {"zero_stage": 2} | changes)
+    (stage,) = pipeline_stages(config)
+    assert sum(Zero(config).groups[1]) == no_decay_params(config, stage, 1)
