@@ -30,10 +30,10 @@ def measure_hf_step_on_rank(
 ) -> StepMeasurement:
     """Build LlamaForCausalLM (MixtralForCausalLM with experts), run a warm-up step, then measure one step under
     MemTracker."""
-    return measure_trainer(warmed_up(tp, config, strategy, route), tp, strategy)
+    return measure_trainer(warmed_up(tp, config, route), tp, strategy)
 
 
-def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None) -> Trainer:
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> Trainer:
     """transformers' LlamaForCausalLM (with experts MixtralForCausalLM or Qwen2MoeForCausalLM, the router forced to
     `route`) in training mode with memcalc's trainer, stepped once."""
     model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)

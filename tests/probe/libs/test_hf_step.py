@@ -32,7 +32,7 @@ LAYOUTS = ["none", "tp"]  # transformers runs no sequence parallelism (memcalc.m
 def _exact_step(config, layout: str, route: str | None = None):
     """The step of `config` under `layout`: every moment the walk names among MemTracker's readings, in order; the
     peak's moment, and every category at the peak and between steps, MemTracker's to the byte."""
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, route)))
     readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
     assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
     (r,) = measure_step(config, [layout], route=route)
@@ -114,7 +114,7 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread
 def test_every_moment_the_timeline_names_happens_in_order_in_its_module_with_its_bytes(one_thread, attention, changes):
     """Not only the peak: each moment is MemTracker's reading after some op, in the named module, in order."""
     config = make_config(LLAMA, attention=attention, **changes)
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
+    readings = readings_after_every_op(warmed_up(single(), config))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
@@ -153,7 +153,7 @@ def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(o
 def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, attention, changes):
     """The all-gathered logits and their gradient's columns, each colwise dX's all-reduce, the embedding's rows."""
     config = make_config(LLAMA, attention=attention, **changes)
-    readings = run_fake(lambda tp: readings_after_every_op(warmed_up(tp, config, STRATEGIES["tp"])), (), config.t)
+    readings = run_fake(lambda tp: readings_after_every_op(warmed_up(tp, config)), (), config.t)
     assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
 
 
@@ -201,7 +201,7 @@ def test_mixtral_every_moment_of_the_experts_and_router_backward_happens_in_orde
     gradients' sums, the router's GEMMs and the input gradients' sum: MemTracker's reading after some op, in the
     named module, in order."""
     config = make_config(LLAMA, attention=attention, **(MIXTRAL | changes))
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    readings = readings_after_every_op(warmed_up(single(), config, "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
@@ -267,7 +267,7 @@ def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base,
     routing weight's product, both grouped GEMMs (dW, then dX), SwiGLU's and chunk's, the gather's: MemTracker's
     reading after some op, in the named module, in order."""
     config = make_config(LLAMA, attention=attention, **(base | changes))
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], route))
+    readings = readings_after_every_op(warmed_up(single(), config, route))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
@@ -287,8 +287,7 @@ def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_wi
     gradients are handed over when the experts' backward ends, the input's and routing weights' all-reduced in
     place."""
     config = make_config(LLAMA, attention=attention, **(base | changes))
-    readings = run_fake(lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES["tp"], route)), (),
-                        config.t)
+    readings = run_fake(lambda group: readings_after_every_op(warmed_up(group, config, route)), (), config.t)
     assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
     (r,) = measure_step(config, ["tp"], route=route)
     assert r.measured.moment == r.predicted_moment
@@ -339,7 +338,7 @@ def test_qwen2_moe_every_moment_of_the_block_happens_in_order(one_thread, attent
     """The shared expert gate's GEMMs, each expert's moments, the router's, the shared expert's down_proj, up_proj and
     gate_proj with the block input's gradients summed one path at a time."""
     config = make_config(LLAMA, attention=attention, **(QWEN2_MOE | changes))
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    readings = readings_after_every_op(warmed_up(single(), config, "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
@@ -373,7 +372,7 @@ def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(on
     config = make_config(LLAMA, attention="eager", **(QWEN2_MOE | {"b": 3, "s": 5, "num_experts": 3, "moe_router_topk": 3,
                                                                    "moe_ffn_hidden_size": 24, "kv_channels": 12,
                                                                    "moe_shared_expert_intermediate_size": 40}))
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    readings = readings_after_every_op(warmed_up(single(), config, "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
