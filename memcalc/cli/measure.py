@@ -14,7 +14,8 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
-from memcalc.probe import LAYERS, ROUTES, capacity_caps_worst, routing_fixed
+from memcalc.model.strategy import STRATEGIES
+from memcalc.probe import LAYERS, ROUTES, check_worst_route, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -107,10 +108,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
                           " tensors do not depend on them)")
     if layer is None:
         layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
-    if route == "all-to-one" and config.moe_tokens == "worst" and capacity_caps_worst(config):
-        raise ConfigError("--route all-to-one pins moe_tokens worst only where no capacity caps it: with"
-                          " moe_expert_capacity_factor unpadded that bound is every expert full, which the route does"
-                          " not make; set moe_pad_expert_input_to_capacity, or leave the capacity factor unset")
+    check_worst_route(config, route, [STRATEGIES[name] for name in names])
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
@@ -194,7 +192,6 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
     """--comm on a library's layer: the ledger must model its collectives and the route fix their bytes."""
     from memcalc.model.comm import layer_comm
-    from memcalc.model.strategy import STRATEGIES
 
     for name in names:
         layer_comm(config, STRATEGIES[name], 1)  # a ConfigError where the ledger does not model them

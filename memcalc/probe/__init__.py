@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterable
 
-from memcalc.errors import ProbeError, debugging
+from memcalc.errors import ConfigError, ProbeError, debugging
 
 # Named here so that the CLI offers them without importing torch: which code builds the layer `memcalc measure` runs
 # (the implementation's own library, or memcalc's own Megatron-style layer), and the assignments `--route` forces a
@@ -27,11 +27,28 @@ def routing_fixed(config: Any, route: str | None) -> bool:
     return not config.moe or (route == "balanced" and config.moe_tokens == "balanced")
 
 
-def capacity_caps_worst(config: Any) -> bool:
-    """Whether a capacity factor, not padded, caps the worst bound at every expert full (`routed_slots`): an upper
-    bound, which the all-to-one route does not make (it fills only the k experts it sends every token to), so that
-    route no longer pins moe_tokens worst."""
-    return config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity
+def check_worst_route(config: Any, route: str | None, strategies: Iterable[Any]) -> None:
+    """ConfigError where --route all-to-one is to pin moe_tokens worst but an unpadded capacity factor drops tokens at
+    these sizes under a strategy: the capped bound (`routed_slots`) is then not what the route makes (its k experts
+    full, the rest empty). An expert receives each token a router sees at most once, so a capacity of all of them drops
+    none, and the route makes the worst bound itself."""
+    capped = config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity
+    if route != "all-to-one" or config.moe_tokens != "worst" or not capped:
+        return
+    from memcalc.model.evaluate import capacity_slots, routers
+
+    for strategy in strategies:
+        n = routers(config, strategy)
+        seen = config.b * (config.s // config.cp) // n  # the tokens one router sees
+        kept = capacity_slots(config, n) // (config.num_experts * n)  # and those an expert keeps of them
+        if kept < seen:
+            raise ConfigError(
+                f"--route all-to-one pins moe_tokens worst only where no capacity drops tokens: under {strategy.name}"
+                f" an expert keeps ceil(k*n/E*c) = ceil({config.moe_router_topk}*{seen}/{config.num_experts}"
+                f"*{config.moe_expert_capacity_factor:g}) = {kept} of the n = {seen} tokens a router sees, so the"
+                " capped bound is not what the route makes (its k experts full, the rest empty); set"
+                " moe_pad_expert_input_to_capacity, a larger capacity factor, or none")
+
 
 INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')"
 

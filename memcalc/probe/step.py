@@ -20,7 +20,7 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import check_strategy
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.probe import capacity_caps_worst, require_torch, routing_fixed
+from memcalc.probe import check_worst_route, require_torch, routing_fixed
 from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, run_fake
@@ -589,6 +589,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting, stage))
                for name in strategies for stage in _stages(config)]
+    check_worst_route(config, route, [strategy for strategy, _ in planned])
     if config.moe and not _route_pins_bound(config, route):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
                           f" --impl megatron, --route all-to-one with moe_tokens worst; not"
@@ -648,8 +649,7 @@ def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
     experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
     grouped = config.impl == "hf" and config.experts_implementation == "grouped_mm" or \
         config.impl == "torchtitan" and config.ep == 1
-    worst = route == "all-to-one" and config.moe_tokens == "worst" and not capacity_caps_worst(config)
-    return (routing_fixed(config, route) or experts_apart and worst
+    return (routing_fixed(config, route) or experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
             or grouped and route is not None and config.moe_tokens == "balanced")
 
 

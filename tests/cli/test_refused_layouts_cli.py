@@ -97,10 +97,25 @@ def test_a_plot_draws_the_layouts_megatron_runs(tmp_path):
     assert (bars.code, bars.err) == (0, NOTE)
 
 
-def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_the_worst_bound():
-    # found by a random-shape hunt: the route fills only its k experts, the capped bound every expert ("differs")
-    capped = ("--moe-expert-capacity-factor", "0.5", "--moe-tokens", "worst", "--route", "all-to-one")
-    small = ("--b", "1", "--s", "8", "--h", "16", "--a", "8", "--moe-ffn-hidden-size", "16", "--attention", "eager")
-    run = memcalc_cli("measure", "--config", MIXTRAL, "--impl", "megatron", "--strategy", "none", *small, *capped)
-    one_line_error(run, "--route all-to-one pins moe_tokens worst only where no capacity caps it",
-                   "moe_pad_expert_input_to_capacity")
+# --route all-to-one sends every token's k slots to experts 0..k-1 (mixtral: E = 8, k = 2), the worst bound's own
+ALL_TO_ONE = ("measure", "--config", MIXTRAL, "--impl", "megatron", "--strategy", "none", "--b", "1", "--h", "16",
+              "--a", "8", "--moe-ffn-hidden-size", "16", "--attention", "eager", "--moe-tokens", "worst",
+              "--route", "all-to-one")
+
+
+@pytest.mark.parametrize("capacity, s", [("0.5", "8"), ("3.6", "16")])
+def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_drops_tokens_at_these_sizes(capacity, s):
+    # found by a random-shape hunt: the route fills only its k experts, the capped bound every expert ("differs");
+    # an expert keeps ceil(k*n/E*c) = ceil(2*8/8*0.5) = 1 of n = 8 tokens, or ceil(2*16/8*3.6) = 15 of n = 16
+    run = memcalc_cli(*ALL_TO_ONE, "--s", s, "--moe-expert-capacity-factor", capacity)
+    one_line_error(run, "--route all-to-one pins moe_tokens worst only where no capacity drops tokens",
+                   f"of the n = {s} tokens a router sees", "moe_pad_expert_input_to_capacity")
+
+
+def test_measure_runs_the_all_to_one_route_to_a_match_where_the_capacity_drops_no_tokens():
+    """ceil(k*n/E*c) = ceil(2*8/8*3.6) = 8: each expert keeps all n = 8 tokens a router sees, so the capacity caps
+    nothing and the route makes the worst bound (once refused with every capacity factor)."""
+    pytest.importorskip("megatron.core")
+    run = memcalc_cli(*ALL_TO_ONE, "--s", "8", "--moe-expert-capacity-factor", "3.6")
+    assert run.code == 0, run.err
+    assert "match: every tensor agrees to the byte" in run.out
