@@ -210,9 +210,23 @@ def test_torchrun_mode_joins_from_the_environment_and_leaves(monkeypatch):
         run(_whoami, mode="torchrun", t=2)
 
 
+def _threads(tp, cores: int) -> tuple[int, bool]:
+    """The rank's thread count, and whether it saw the `cores` the test pretends."""
+    return torch.get_num_threads(), os.cpu_count() == cores
 
-def _threads(tp) -> int:
-    return torch.get_num_threads()
+
+def _many_cores(n: int) -> int:
+    """In the rank, as its job's args are unpickled, before it sets its thread count: os.cpu_count() says n there."""
+    os.cpu_count = lambda: n
+    return n
+
+
+class _ManyCores:
+    """An arg whose unpickling in the rank pretends a 64-core machine (`_many_cores`): cpu_count/t is then 64, never the
+    1 OMP_NUM_THREADS sets, whatever cores this machine has."""
+
+    def __reduce__(self):
+        return _many_cores, (64,)
 
 
 @pytest.mark.procs
@@ -220,4 +234,4 @@ def test_spawned_ranks_keep_the_thread_count_omp_num_threads_set():
     """The suite's conftest sets OMP_NUM_THREADS=1 (a user may set it too): a rank keeps it rather than taking
     cpu_count/t cores, which on a many-core machine oversubscribes ranks run side by side."""
     assert os.environ["OMP_NUM_THREADS"] == "1"
-    assert run_spawned(_threads, (), t=1) == [1]
+    assert run_spawned(_threads, (_ManyCores(),), t=1) == [(1, True)]
