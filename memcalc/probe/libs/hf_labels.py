@@ -124,7 +124,7 @@ def _llama_rules(config: ModelConfig) -> tuple[Rule, ...]:
     attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
     first, second = _llama_norm_rules(config)
     if rules.is_glm(config):
-        return (*first, *attention, *_glm_rules(config), *second)
+        return (*first, *attention, *_glm_rules(), *second)
     return (*first, *attention, *second, *_SWIGLU, *_moe_rules(config))
 
 
@@ -167,7 +167,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
     )
 
 
-def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:
+def _glm_rules() -> tuple[Rule, ...]:
     """GLM's interleaved RoPE tables ((1, 1, s, d_r) each), GlmMLP's one gate_up_proj output chunked into gate and
     up, and GLM-4's sandwich norms (post_self_attn_layernorm, post_mlp_layernorm)."""
     table = lambda x: x[0, 0]  # noqa: E731

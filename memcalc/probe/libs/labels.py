@@ -56,7 +56,7 @@ class ModuleFrames:
     def __enter__(self) -> Any:
         for name, module in self._root.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entered(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._left(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._left, with_kwargs=True))
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -78,10 +78,9 @@ class ModuleFrames:
             self._match(frame, "forward", args, kwargs, None, output=False)
         return hook
 
-    def _left(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self._match(self._stack.pop(), "forward", args, kwargs, output, output=True)
-        return hook
+    def _left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module's forward hook, every module's the same: leave its frame, labelling its output."""
+        self._match(self._stack.pop(), "forward", args, kwargs, output, output=True)
 
     def _match(
         self, frame: _Frame, function: str, args: tuple, kwargs: dict, result: Any, output: bool | None = None

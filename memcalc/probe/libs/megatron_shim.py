@@ -19,7 +19,7 @@ from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch, shims
 from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_backward
 from memcalc.probe.libs.hf_shim import DEALT, lead, route_lead
-from memcalc.probe.norm import EPS, Norm
+from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
 from memcalc.probe.shims import patched, patched_items
 
@@ -205,10 +205,10 @@ def seed_rng_tracker(seed: int, tp_rank: int) -> None:
 class SequenceParallelNorm(nn.Module):
     """The local spec's norm, accepting SP: memcalc's probe norm (docs/probe.md, "What the table leaves out"), built as
     megatron builds a norm, plus the ledger `names` it labels with and `heads` (qk_layernorm's, per head of (s, b,
-    heads, d)), both spec params."""
+    heads, d)), both spec params; megatron's eps and the rest go unread (the bytes do not depend on them)."""
 
     def __init__(
-        self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, heads: bool = False, **_: Any,
+        self, config: Any, hidden_size: int, names: NormTensors, heads: bool = False, **_: Any,
     ) -> None:
         super().__init__()
         kind = "rmsnorm" if config.normalization == "RMSNorm" else "layernorm"

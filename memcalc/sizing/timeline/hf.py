@@ -107,7 +107,7 @@ def _layer_norms(config: ModelConfig) -> Any:
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
-    check_modelled(config, strategy, accounting)
+    check_modelled(config, strategy)
     estimated = estimate(config, strategy, accounting)
     if config.recompute == "full":  # each layer's rerun keeps what a layer without it keeps: the walk sizes those
         estimated = replace(estimate(replace(config, recompute="none"), strategy, accounting),
@@ -276,7 +276,7 @@ WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_m
           "olmo", "starcoder2", "cohere", "deepseek_v3", "olmo2", "gemma3_text", "glm", "glm4", "gpt_oss")
 
 
-def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
+def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
     family, tp = layer_family(config).name, strategy.tensor_parallel and config.t > 1
     sharded = config.dp_shard is not None or config.zero_stage is not None
@@ -472,10 +472,10 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                                           rules.POST_NORMS[config.norm], (attn_out, mlp_out), ("attn", "mlp"))
     ) if sandwich else (
         (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
-                                                                    " branch's output dropped out"), stream, dx,
+                                                                    " branch's output dropped out"), dx,
                            z.full(z.h)),)  # the layer's variable holds the input to the residual sum
-        for branch, mask, stream, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, f"grad/{p}/mid", attn_out),
-                                         ("mlp", ledger.MLP_DROPOUT_MASK, f"grad/{p}/output", mlp_out))
+        for branch, mask, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, attn_out),
+                                 ("mlp", ledger.MLP_DROPOUT_MASK, mlp_out))
     ) if resid else ((), ())
     proj = "proj" if resid or inner else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))

@@ -113,7 +113,7 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     c_proj = conv1d("attn.c_proj", p, ledger.PROJ_IN, Step("the GEMM", (proj,), reads_last=kept_names(
         p, ledger.PROJ_IN)), h, h, z, f"{g}/c_proj input", (f"{g}/attn dropped",) if dropped else ())
     c_proj = replace(c_proj, forward=(*c_proj.forward, *(() if dropped else (returns,))))
-    resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
+    resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/attn dropped",
                      full, gone=(proj.name,), then=returns),) if dropped else ()
     split = _split(g, z, eager or math)
     return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, split, *core, c_proj, *resid))
@@ -145,7 +145,7 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
     dy = f"{g}/attn heads" if heads else f"{g}/c_proj input"
     weights = ledger.ATTN_DROPOUT_OUT if dropped else ledger.SOFTMAX_OUT
     dweights = f"{g}/dropped" if dropped else f"{g}/weights"
-    drop = (dropout("attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), dweights, f"{g}/weights",
+    drop = (dropout("attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), f"{g}/weights",
                     sc, frees=(dweights,), reads=kept_names(p, ledger.SOFTMAX_OUT)),) if dropped else ()
     return (
         Op("attn", (
@@ -214,7 +214,7 @@ def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout",
     c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, rowwise(Step("the GEMM", (proj,), reads_last=kept_names(
         p, ledger.FC2_IN)), f"{p}/mlp partial", tp), f, z.h, z, f"{g}/act output",
                     (f"{g}/mlp dropped",) if dropped else ())
-    resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
+    resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
     return (c_fc, *act, _shadowed(c_proj, drop, config) if drop else c_proj, *resid)
 
@@ -297,7 +297,7 @@ def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) 
             Step("the position table's gradient", (Made("grad/wpe weight", z.act * z.positions * z.h, WHY_WGRAD),),
                  frees=((summed,) if z.b > 1 else ()) + ("model/position_ids",), hands_over=("grad/wpe weight",)),)),
         _shadowed(add, "transformer.drop", config),
-        *((dropout("transformer.drop", "", ledger.EMBEDDING_DROPOUT_MASK, first, FIRST_GRAD, "grad/embedding output",
+        *((dropout("transformer.drop", "", ledger.EMBEDDING_DROPOUT_MASK, first, "grad/embedding output",
                    z.full(z.h), gone=(embeds.name,), frees=(FIRST_GRAD,)),) if dropped else ()),
     )
 

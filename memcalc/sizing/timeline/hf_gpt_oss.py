@@ -186,7 +186,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             Made(f"{g}/probs", logits, "the sink column's gradient zero"),),
             frees=(f"{g}/dropped" if dropout else f"{g}/weights",)),)),
         *((replace(torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT),
-                                     f"{g}/weights", f"{g}/dropped", scores, frees=(f"{g}/weights",)), forward=()),)
+                                     f"{g}/dropped", scores, frees=(f"{g}/weights",)), forward=()),)
           if dropout else ()),
         Op("self_attn", (), context, (ledger.ATTN_DROPOUT_OUT if dropout else rules.SINK_SOFTMAX, v)),
     )

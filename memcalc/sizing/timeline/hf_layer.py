@@ -570,7 +570,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     # dropout's input: the softmax cast back (a local it rebinds), in fp32 the softmax itself
     cast_back = Made(f"{p}/weights", sc, "the softmax cast back, dropout's input") if dropout else \
         kept(p, rules.WEIGHTS)
-    dropped = (torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), weights,
+    dropped = (torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT),
                                  f"{g}/weights", sc, gone=(cast_back.name,) if cast else (), frees=(weights,),
                                  reads=() if cast else (kept_name(p, rules.SOFTMAX_FP32),)),) if dropout else ()
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)

@@ -60,7 +60,7 @@ def dropped_attention(ops: tuple[Op, ...], p: str, z: Sizes, config: ModelConfig
     o_proj = replace(o_proj, forward=(*o_proj.forward[:-1], replace(gemm, frees=tuple(
         x for x in gemm.frees if x in own), reads_last=tuple(x for x in gemm.reads_last if x == proj_in))))
     return (*before, o_proj, dropout("self_attn", p, ledger.ATTN_OUT_DROPOUT_MASK, Made(
-        f"{p}/attn output", z.full(z.h), "o_proj's output dropped out"), f"grad/{p}/mid", f"grad/{p}/attn dropped",
+        f"{p}/attn output", z.full(z.h), "o_proj's output dropped out"), f"grad/{p}/attn dropped",
         z.full(z.h), gone=(f"{p}/attn proj",), then=returns))
 
 
@@ -73,7 +73,7 @@ def embedding_dropout(z: Sizes, config: ModelConfig, tables: Step) -> tuple[Op, 
         return ()
     op = dropout("model", "", ledger.EMBEDDING_DROPOUT_MASK, Made("layers.0/input", z.full(z.h), "inputs_embeds"
                                                                   " dropped out: the first layer's input"),
-                 gpt2.FIRST_GRAD, "grad/embedding output", z.full(z.h), frees=(gpt2.FIRST_GRAD,), then=tables)
+                 "grad/embedding output", z.full(z.h), frees=(gpt2.FIRST_GRAD,), then=tables)
     return (replace(op, shadow="model.layers.0.self_attn"),)
 
 

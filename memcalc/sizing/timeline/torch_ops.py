@@ -63,7 +63,7 @@ def tied_sum(table: int) -> Step:
         "grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor"),))
 
 
-def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
+def dropout(where: str, p: str, mask: SavedTensor, output: Made, dx: str, dx_bytes: int,
             gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None,
             reads: tuple[str, ...] = ()) -> Op:
     """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
