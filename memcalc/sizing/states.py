@@ -9,6 +9,7 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import prod
 from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
@@ -31,11 +32,15 @@ def vocab_shard(config: ModelConfig, t: int) -> int:
     return -(-padded_vocab(config, t) // t)
 
 
+def norm_shapes(config: ModelConfig, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """One norm's parameters over `shape`: LayerNorm's weight and bias, OLMo's LayerNorm (layernorm_np) none,
+    RMSNorm and Cohere's LayerNorm (layernorm_nb) a weight."""
+    return () if config.norm == "layernorm_np" else (shape, shape) if config.norm == "layernorm" else (shape,)
+
+
 def _norm_params(config: ModelConfig, width: int | None = None) -> int:
-    """One norm over `width` channels (the hidden size unless given): OLMo's LayerNorm (layernorm_np) has no
-    parameters at all, RMSNorm no bias."""
-    width = config.h if width is None else width
-    return 2 * width if config.norm == "layernorm" else 0 if config.norm == "layernorm_np" else width
+    """One norm over `width` channels (the hidden size unless given)."""
+    return sum(map(prod, norm_shapes(config, (config.h if width is None else width,))))
 
 
 def _layer_norm_params(c: ModelConfig) -> int:

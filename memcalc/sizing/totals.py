@@ -143,14 +143,14 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int,
     (_fsdp_param.py), ZeRO-3 its elements to a multiple of dp (partition_parameters.py: _padding_size), keeping the
     parameters of stage3_param_persistence_threshold elements or fewer whole too. The elements of this rank's
     shards and of the weights kept whole, summed over the step walk's inventory of the parameters
-    (memcalc.sizing.timeline.fsdp's units, zero.Zero's), each on one rank of t; None for a stack that shards a flat
-    buffer, or where that inventory is not these `params` (a pipeline stage, a model the walk does not lay out)."""
-    from memcalc.sizing.timeline.fsdp import Fsdp, fuses_modules  # the timeline package imports this module
+    (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers model's, shape by shape, as
+    tests/probe/libs/test_hf_fsdp.py checks), each on one rank of t; None for a stack that shards a flat buffer, or
+    where these `params` are not that inventory (a pipeline stage, the families whose parameters
+    memcalc.sizing.states counts short)."""
+    from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
-    if c.impl == "hf" and fuses_modules(c):  # as many parameters as Llama's layer, in other shapes
-        return None
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
         fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))

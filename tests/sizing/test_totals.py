@@ -12,7 +12,7 @@ from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.timeline import timeline
-from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu, per_parameter_shards
+from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
 from tests.helpers import LLAMA_HF
 
 b, s, h, a, t, L, v = 2, 64, 32, 16, 4, 8, 1000  # b*a/t = 8: Megatron's fused softmax runs
@@ -211,12 +211,3 @@ def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_sha
     for name in ("states/weights", "states/adam_m", "states/adam_v"):
         assert terms[name] == live[name]
     assert terms["states/grads"] == live["states/weights"]  # sharded as the weights (torchtitan's live between steps)
-
-
-@pytest.mark.parametrize("shard", [{"dp_shard": 3}, {"zero_stage": 3, "dp": 3}])
-def test_phi3s_fused_qkv_and_gate_up_are_not_padded_as_llamas_modules_apart(shard):
-    """Phi-3's layer has Llama's parameters in fewer modules (qkv_proj, gate_up_proj): the step walk's inventory,
-    Llama's modules, has as many elements but other shapes to pad, so --totals does not read it there."""
-    config = build_config(LLAMA_HF | {"family": "phi3", "fused_qkv": True, "attention": "eager"} | shard)
-    held = sum(per_gpu(config, NONE).worst().params.values())
-    assert per_parameter_shards(config, 1, held) is None

@@ -167,7 +167,7 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
     grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout,
                "tie_word_embeddings": config.tie_embeddings}
     if family == "bloom":
-        return {"attention_dropout": dropout, "hidden_dropout": dropout}
+        return {"attention_dropout": dropout, "hidden_dropout": dropout, "tie_word_embeddings": config.tie_embeddings}
     if family == "gpt2":  # wpe's rows; GPT2LMHeadModel's lm_head tied to wte unless the config unties it
         return gpt | no_ids | {"max_position_embeddings": config.positions,
                                "tie_word_embeddings": config.tie_embeddings}
@@ -177,9 +177,11 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
     if family == "gpt_neox":  # fused QKV with biases (add_bias_linear), partial RoPE
         return {"intermediate_size": config.ffn, "hidden_act": gelu, "max_position_embeddings": config.s,
                 "attention_dropout": dropout, "hidden_dropout": dropout, "attention_bias": config.add_bias_linear,
-                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent)}
+                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent),
+                "tie_word_embeddings": config.tie_embeddings}
     if family == "falcon":  # parallel_attn, RoPE; see _falcon_fields
-        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout}
+        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout,
+                                         "tie_word_embeddings": config.tie_embeddings}
     if family == "starcoder2":  # its class's gelu_pytorch_tanh for memcalc's gelu: torch's kernel keeps its input alone
         return grouped | no_ids | {
             "intermediate_size": config.ffn, "max_position_embeddings": config.s, "residual_dropout": dropout,

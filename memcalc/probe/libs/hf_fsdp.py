@@ -103,11 +103,11 @@ class ShardedTrainer:
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ShardedTrainer:
-    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, under tp laid out by
-    transformers' tp_plan over the mesh's last dimension, every decoder layer and then the whole model under
-    fully_shard (HSDP over the (dp_replicate, dp_shard) dimensions), AdamW over the shards, stepped once (AdamW's
-    moments exist from then on). With experts, Mixtral's, Qwen2-MoE's or Qwen3-MoE's model, its router forced to
-    `route` (memcalc.probe.libs.hf_step)."""
+    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): the family's model (LlamaForCausalLM, ...) built in
+    fp32, under tp laid out by transformers' tp_plan over the mesh's last dimension, every decoder layer and then the
+    whole model under fully_shard (HSDP over the (dp_replicate, dp_shard) dimensions), AdamW over the shards, stepped
+    once (AdamW's moments exist from then on). With experts, its router forced to `route`
+    (memcalc.probe.libs.hf_step)."""
     replicas, shards = config.dp_replicate or 1, config.dp_shard
     t = tp.size // (replicas * shards)  # 1 or config.t: memcalc.probe.step._fake_world made the world
     model, loss = causal_lm(config, route, torch.float32, tp.device)
@@ -117,7 +117,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     checkpointed(model, config)
     dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
-    for unit in (*model.model.layers, model):  # every decoder layer, then the whole model
+    layers = [x for x in model.modules() if type(x).__name__ in model._no_split_modules]  # accelerate's wrap policy
+    for unit in (*layers, model):  # every decoder layer, then the whole model
         fully_shard(unit, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), loss)
     trainer.step()

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.impls import hf as rules
-from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline import hf_olmo as olmo
+from memcalc.model.knobs import DTYPE_BYTES, GATED
+from memcalc.sizing.states import norm_shapes, vocab_shard
 from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
@@ -79,29 +79,63 @@ class Unit:
 
 
 def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
-    """LlamaDecoderLayer's parameters in registration order (DeepseekV3DecoderLayer's latent attention in place of
-    q, k, v and o; OLMo's without norm weights; OLMo 2's q_norm and k_norm over the whole projections, its post-norms
-    in place of Llama's norms), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v,
-    gate, up colwise, o and down rowwise, the norms whole)."""
-    q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
+    """A decoder layer's parameters in registration order, as this rank of t holds them before FSDP2 shards them
+    (transformers' tp_plan: q, k, v, gate, up colwise, o and down rowwise, the norms whole): its attention (latent
+    attention in DeepseekV3DecoderLayer), its MLP (a sparse block's experts), then its norms (one with single_norm,
+    four with sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none)."""
     m = f"model.layers.{i}"
-    qk_widths = (q, kv) if c.post_norm else (c.head_dim, c.head_dim)  # OLMo 2's over the whole projection
-    qk = tuple((f"{m}.self_attn.{x}_norm", (w,)) for x, w in zip("qk", qk_widths)) if c.qk_layernorm else ()
-    mlp = hf_moe_parameters(c, t, f"{m}.mlp") if sparse(c, i) else (
-        (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
-    attention = _latent_attention(c, f"{m}.self_attn") if c.mla else (
-        (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
-        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk)
-    # OLMo 2's post-norms; OLMo's OlmoLayerNorm has no weights
-    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else (
-        "input_layernorm", "post_attention_layernorm")
-    weighted = () if olmo.walks(c) else tuple((f"{m}.{x}", (c.h,)) for x in norms)
-    return Unit(f"layers.{i}", (*attention, *mlp, *weighted), c.reshard_after_forward)
+    attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
+    mlp = hf_moe_parameters(c, t, f"{m}.mlp") if sparse(c, i) else _mlp(c, t, f"{m}.mlp")
+    norms = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
+        "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
+    return Unit(f"layers.{i}", (*attention, *mlp, *(x for n in norms for x in _norm(c, f"{m}.{n}"))),
+                c.reshard_after_forward)
+
+
+_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _linear(c: ModelConfig, m: str, out: int, features: int, bias: bool) -> tuple[Param, ...]:
+    """nn.Linear's weight (out, in) and its bias (out,) where it has one (named `m.bias`); GPT-2's Conv1D keeps its
+    weight as (in, out)."""
+    weight = (m, (features, out) if rules.is_gpt2(c) else (out, features))
+    return (weight, (f"{m}.bias", (out,))) if bias else (weight,)
+
+
+def _norm(c: ModelConfig, m: str, shape: tuple[int, ...] | None = None) -> tuple[Param, ...]:
+    """A norm's parameters over `shape` (h unless given), as memcalc.sizing.states.norm_shapes counts them."""
+    return tuple(zip((m, f"{m}.bias"), norm_shapes(c, shape or (c.h,))))
+
+
+def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+    """q, k, v (one module: Phi-3's qkv_proj, Falcon's query_key_value, GPT-2's c_attn) with add_qkv_bias's or
+    add_bias_linear's biases, o_proj, gpt-oss's sinks, and the QK norms: over one head's d channels (Qwen3, Gemma 3),
+    OLMo 2's over the whole projections, Cohere's (heads, d) weights (whole under tp: its tp_plan names none)."""
+    q, kv, bias = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.add_qkv_bias or c.add_bias_linear
+    fused = c.fused_qkv or rules.is_gpt2(c) or rules.is_falcon(c) or c.alibi  # Falcon-7B's multi-query one too
+    qkv = _linear(c, f"{m}.qkv_proj", q + 2 * kv, c.h, bias) if fused else tuple(
+        x for n, w in zip("qkv", (q, kv, kv)) for x in _linear(c, f"{m}.{n}_proj", w, c.h, bias))
+    qk = () if not c.qk_layernorm else ((q,), (kv,)) if c.post_norm else (
+        (c.a, c.head_dim), (c.groups, c.head_dim)) if rules.is_cohere(c) else ((c.head_dim,),) * 2
+    sinks = ((f"{m}.sinks", (c.a // t,)),) if c.attention_sinks else ()
+    return (*sinks, *qkv, *_linear(c, f"{m}.o_proj", c.h, q, c.add_bias_linear),
+            *(x for n, shape in zip("qk", qk) for x in _norm(c, f"{m}.{n}_norm", shape)))
+
+
+def _mlp(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+    """A dense MLP: gate and up (one gate_up_proj in Phi-3's and GLM's) and down, or the ungated fc and proj (with
+    biases in GPT-NeoX's and GPT-J's whatever add_bias_linear says)."""
+    f, bias = c.ffn // t, c.add_bias_linear or rules.is_neox(c) or rules.is_gptj(c)
+    if c.mlp not in GATED:
+        return (*_linear(c, f"{m}.c_fc", f, c.h, bias), *_linear(c, f"{m}.c_proj", c.h, f, bias))
+    gate_up = _linear(c, f"{m}.gate_up_proj", 2 * f, c.h, bias) if fuses_modules(c) else (
+        *_linear(c, f"{m}.gate_proj", f, c.h, bias), *_linear(c, f"{m}.up_proj", f, c.h, bias))
+    return (*gate_up, *_linear(c, f"{m}.down_proj", c.h, f, bias))
 
 
 def fuses_modules(c: ModelConfig) -> bool:
     """Whether transformers' layer fuses q, k and v into one module (fused_qkv: Phi-3's qkv_proj) or gate and up
-    (GLM's gate_up_proj), which `hf_layer` lays out apart, as Llama's: FSDP2 and ZeRO-3 would pad the fused ones."""
+    (Phi-3's and GLM's gate_up_proj)."""
     return c.fused_qkv or rules.is_glm(c)
 
 
@@ -120,23 +154,31 @@ def hf_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     t holds them: the experts' gate_up_proj packed_colwise and down_proj rowwise (their expert_ffn/t channels), the
     router and the shared expert whole. The experts' two weights are one module's: each is named by its own path
     (memcalc.sizing.timeline.hf_moe.weight_of)."""
-    f = c.expert_ffn // t
-    router = ((f"{m}.gate", (c.num_experts, c.h)),)
-    experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * f, c.h)),
-               (f"{m}.experts.down_proj", (c.num_experts, c.h, f)))
+    f, e = c.expert_ffn // t, c.num_experts
+    if c.attention_sinks:  # GptOssMLP: a router with a bias; GptOssExperts' (E, in, out) weights with (E, out) biases
+        return (*_linear(c, f"{m}.router", e, c.h, True), (f"{m}.experts.gate_up_proj", (e, c.h, 2 * f)),
+                (f"{m}.experts.gate_up_proj_bias", (e, 2 * f)), (f"{m}.experts.down_proj", (e, f, c.h)),
+                (f"{m}.experts.down_proj_bias", (e, c.h)))
+    router = ((f"{m}.gate", (e, c.h)),)
+    experts = ((f"{m}.experts.gate_up_proj", (e, 2 * f, c.h)), (f"{m}.experts.down_proj", (e, c.h, f)))
     u = c.moe_shared_expert_intermediate_size
+    gate = () if c.mla else ((f"{m}.shared_expert_gate", (1, c.h)),)  # DeepseekV3MoE's shared experts have none
     shared = ((f"{m}.shared_expert.gate_proj", (u, c.h)), (f"{m}.shared_expert.up_proj", (u, c.h)),
-              (f"{m}.shared_expert.down_proj", (c.h, u)), (f"{m}.shared_expert_gate", (1, c.h))) if u else ()
+              (f"{m}.shared_expert.down_proj", (c.h, u)), *gate) if u else ()
     return (*experts, *router) if c.qk_layernorm else (*router, *experts, *shared)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:
-    """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm; it
-    stays unsharded from its forward to the end of backward."""
-    rows = c.vocab_size // t
-    final_norm = () if olmo.walks(c) else (("model.norm", (c.h,)),)  # OlmoLayerNorm has no weights
-    head = () if c.tie_embeddings else (("lm_head", (rows, c.h)),)
-    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *final_norm, *head), False)
+    """The root's own parameters: embed_tokens (GPT-2's learned positions, BLOOM's word_embeddings_layernorm beside
+    it) and lm_head (unless tied; GPT-J's with a bias) v/t rows each under tp, the final norm; it stays unsharded from
+    its forward to the end of backward."""
+    rows = vocab_shard(c, t)  # rank 0 of an uneven DTensor holds the most rows
+    positions = (("model.wpe", (c.positions, c.h)),) if c.position_embedding_type == "learned_absolute" else ()
+    normed = _norm(c, "model.word_embeddings_layernorm") if c.alibi else ()
+    bias = (("lm_head.bias", (rows,)),) if rules.is_gptj(c) else ()
+    head = () if c.tie_embeddings else (("lm_head", (rows, c.h)), *bias)
+    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *positions, *normed, *_norm(c, "model.norm"), *head),
+                False)
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -146,10 +188,10 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 
 
 def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
-    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model; norm and lm_head never resharded after forward
-    ("as an optimization": FSDP2 would prefetch them at once). Each parameter as this rank of t holds it under
-    torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
-    qkv, o, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t, c.vocab_size // t
+    """torchtitan's apply_fsdp_to_decoder on its Llama3Model; norm and lm_head (tied, tok_embeddings' weight: the walk
+    lays out the untied model alone) never resharded after forward ("as an optimization": FSDP2 would prefetch them
+    at once). Each parameter as this rank of t holds it under torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
+    qkv, o, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t, vocab_shard(c, t)
 
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
@@ -160,7 +202,7 @@ def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
         return Unit(f"layers.{i}", (*attention, *mlp, *norms), c.reshard_after_forward)
     return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), c.reshard_after_forward),
             *(block(i) for i in range(c.L)),
-            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
+            Unit(OUTPUT, (("norm", (c.h,)), *(() if c.tie_embeddings else (("lm_head", (v, c.h)),))), False))
 
 
 def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:

@@ -13,15 +13,25 @@ import yaml
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from math import prod  # noqa: E402
+
+import torch  # noqa: E402
+
+from memcalc.model.families import FAMILIES, layer_family  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker, warmed_up_sharded  # noqa: E402
-from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.probe.libs.hf_step import causal_lm  # noqa: E402
+from memcalc.probe.step import categories, measure_step  # noqa: E402
 from memcalc.sizing.states import state_bytes, total_params  # noqa: E402
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
-from memcalc.sizing.totals import per_gpu  # noqa: E402
+from memcalc.sizing.timeline.fsdp import Fsdp  # noqa: E402
+from memcalc.sizing.timeline.zero import Zero  # noqa: E402
+from memcalc.sizing.totals import per_gpu, per_parameter_shards  # noqa: E402
 
+from . import test_hf as hf  # noqa: E402
+from .test_hf_gpt_oss import GPT_OSS  # noqa: E402
 from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
 from tests.cli import memcalc_cli  # noqa: E402
 from tests.helpers import LLAMA_HF, make_config  # noqa: E402
@@ -60,18 +70,104 @@ def test_between_steps_each_rank_holds_16_bytes_a_parameter_over_dp_shard(measur
     assert sum(state_bytes(config, params).values()) == 16 * params // n
 
 
-def test_at_dp_shard_3_fsdp2s_state_between_steps_is_the_totals_padded_model_states(one_thread):
-    """fully_shard pads each parameter's dim 0 to a multiple of dp_shard (h 250 over 5 heads, v 509, f 701: none
-    divides by 3): the measured fp32 shards are --totals' weights beside LlamaRotaryEmbedding's buffers, AdamW's
-    states its m and v and a 0-d step per parameter (--totals split the parameters' sum: 11,084 B of each too few)."""
-    config = make_config(LLAMA, dp_shard=3, b=1, s=5, h=250, a=5, num_query_groups=5, vocab_size=509,
-                         ffn_hidden_size=701)
-    (r,) = measure_step(config, ["none"])
-    states = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}
-    buffers = sum(x.bytes for x in r.predicted.steady.live if x.name.startswith("states/rotary_emb."))
-    assert r.measured.steady[PARAMETERS] == states["states/weights"] + buffers
-    tensors = 9 * LLAMA["L"] + 3  # nine a decoder layer; embedding, final norm, lm_head
-    assert r.measured.steady[OPTIMIZER] == states["states/adam_m"] + states["states/adam_v"] + 4 * tensors
+# Each family's model as tests/probe/libs/test_hf.py builds its layer, with h 40 over 4 heads of 10, v 101, f 71 and
+# s 5 learned positions: of its parameters' first dimensions most do not divide by 3 (Gemma's 4 heads of 16: 64)
+AT_3 = {"b": 1, "s": 5, "h": 40, "a": 4, "num_query_groups": 2, "kv_channels": None, "vocab_size": 101,
+        "ffn_hidden_size": 71}
+EXPERTS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}  # dim 0 of each expert weight: 4 -> 6
+PADDED_FAMILIES = {
+    "llama": {"h": 250, "a": 5, "num_query_groups": 5, "vocab_size": 509, "ffn_hidden_size": 701},
+    "mistral": {"family": "mistral"},
+    "qwen2 (q, k, v biases)": {"family": "qwen2", "add_qkv_bias": True},
+    "qwen3 (q_norm, k_norm)": hf.QWEN3,
+    "gpt2 (Conv1D, learned positions)": hf.GPT2 | {"family": "gpt2", "mlp": "gelu_tanh", "add_bias_linear": True,
+                                                  "num_query_groups": None,
+                                                  "position_embedding_type": "learned_absolute"},
+    "gpt_oss (biases, sinks, experts)": {k: v for k, v in GPT_OSS.items() if k not in ("h", "a", "s", "b")},
+    "phi3 (qkv_proj, gate_up_proj)": hf.PHI3,
+    "glm (gate_up_proj)": hf.GLM | {"kv_channels": None},
+    "glm4 (gate_up_proj, four norms)": hf.GLM | {"family": "glm4", "sandwich_norm": True, "kv_channels": None},
+    "gemma": hf.GEMMA,
+    "gemma2 (four norms)": hf.GEMMA2,
+    "gemma3_text (four norms, q_norm, k_norm)": hf.GEMMA3,
+    "cohere (one norm, (heads, d) q_norm, k_norm)": hf.COHERE | {"qk_layernorm": True},
+    "starcoder2 (biases, LayerNorm)": hf.STARCODER2 | {"add_bias_linear": True},
+    "falcon (multi-query query_key_value)": hf.FALCON | {"position_embedding_type": "rope"},
+    "falcon (new_decoder_architecture)": hf.FALCON40 | {"position_embedding_type": "rope"},
+    "olmo (LayerNorm without weights)": {"family": "olmo", "norm": "layernorm_np"},
+    "olmo2 (post-norms, whole-projection q_norm, k_norm)": hf.OLMO2,
+    "deepseek_v3 (latent attention)": hf.MLA | {"attention": "eager", "num_query_groups": None},
+    "deepseek_v3 (experts)": hf.MLA | EXPERTS | {"attention": "eager", "num_query_groups": None,
+                                                  "moe_shared_expert_intermediate_size": 48,
+                                                  "moe_router_score_function": "sigmoid"},
+    "mixtral": {"family": "mixtral"} | EXPERTS,
+    "qwen2_moe": {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 40, "moe_layer_freq": 2} | EXPERTS,
+    "qwen3_moe": hf.QWEN3 | {"family": "qwen3_moe"} | EXPERTS,
+}
+# the families whose parameters --totals counts short (BLOOM's word_embeddings_layernorm, GPT-NeoX's MLP biases, GPT-J's
+# and its lm_head's): it splits their sum evenly
+COUNTED_SHORT = {"bloom": hf.BLOOM | {"ffn_hidden_size": None, "num_query_groups": None, "add_bias_linear": True},
+                 "gpt_neox": hf.NEOX | {"num_query_groups": None}, "gptj": hf.GPTJ | {"num_query_groups": None}}
+
+
+@pytest.mark.parametrize("family", PADDED_FAMILIES)
+def test_at_dp_shard_3_fsdp2s_state_between_steps_is_the_totals_padded_model_states(one_thread, family):
+    """fully_shard pads each parameter's dim 0 to a multiple of dp_shard: on each family's own model the measured fp32
+    shards are --totals' weights, AdamW's states its m and v and a 0-d step per parameter (--totals split the
+    parameters' sum evenly, short by the padding: Llama's at h 250, v 509, f 701 by 11,084 B of each; Qwen2's, GPT-2's,
+    gpt-oss's, Phi-3's, GLM's, Gemma 2's and 3's, Cohere's, StarCoder 2's and DeepSeek-V3's experts' too; Falcon's it
+    padded as Llama's modules, short too)."""
+    _assert_measured_shards_are_the_totals_states(make_config(LLAMA | AT_3 | PADDED_FAMILIES[family], dp_shard=3))
+
+
+def test_under_tp_a_vocabulary_t_does_not_divide_is_padded_from_rank_0s_rows(one_thread):
+    """transformers' tp_plan splits embed_tokens and lm_head into uneven DTensor shards (v 101 over t 2: rank 0 holds
+    51 rows), whose dim 0 fully_shard pads over dp_shard 3 in turn: --totals' states are rank 0's measured shards
+    (it split the parameters' sum evenly: 1,052 B of weights and 2,104 B of AdamW's states too few)."""
+    _assert_measured_shards_are_the_totals_states(make_config(LLAMA | AT_3, ffn_hidden_size=70, t=2, dp_shard=3), "tp")
+
+
+def test_every_family_memcalc_reads_has_its_parameters_checked_shape_by_shape():
+    shaped = {layer_family(make_config(LLAMA | AT_3 | x)).name for x in (PADDED_FAMILIES | COUNTED_SHORT).values()}
+    assert shaped == {x.name for x in FAMILIES.values() if x.runs_as is None}
+
+
+@pytest.mark.parametrize("family", COUNTED_SHORT)
+def test_where_the_count_is_short_of_the_familys_parameters_totals_splits_the_count_evenly(family):
+    config = make_config(LLAMA | AT_3 | COUNTED_SHORT[family], dp_shard=3)
+    held = sum(per_gpu(config, STRATEGIES["none"]).worst().params.values())
+    assert per_parameter_shards(config, 1, held) is None
+
+
+@pytest.mark.parametrize("family", PADDED_FAMILIES | COUNTED_SHORT)
+def test_the_parameters_fsdp2_and_zero3_pad_are_the_familys_own_model_shape_by_shape(family):
+    """--totals pads the step walk's inventory of the parameters (Fsdp.of's units, Zero's groups), which it checks
+    against the parameters it counts by their sum alone: each family's is its transformers model's, shape by shape (the
+    walk laid Falcon's query_key_value out as Llama's q, k and v: as many elements, other rows to pad)."""
+    knobs = LLAMA | AT_3 | (PADDED_FAMILIES | COUNTED_SHORT)[family]
+    config = make_config(knobs, dp_shard=3)
+    model, _ = causal_lm(config, "balanced" if config.moe else None, torch.float32, torch.device("meta"))
+    shapes = sorted(tuple(x.shape) for x in model.parameters())
+    assert sorted(shape for unit in Fsdp.of(config, 1).units for shape in unit.shapes) == shapes
+    zero = Zero(make_config(knobs, zero_stage=3, dp=3))
+    assert sorted(n for group in zero.groups for n in group) == sorted(map(prod, shapes))
+
+
+def _assert_measured_shards_are_the_totals_states(config, strategy: str = "none") -> None:
+    """Rank 0's fp32 shards are --totals' weights; its optimizer states AdamW's m and v and a 0-d step per parameter."""
+    weights, optimizer, tensors = run_fake(_sharded_states, (config,), config.dp_shard * config.t)
+    states = {x.name: x.bytes for x in per_gpu(config, STRATEGIES[strategy]).worst().terms}
+    assert weights == states["states/weights"]
+    assert optimizer == states["states/adam_m"] + states["states/adam_v"] + 4 * tensors
+
+
+def _sharded_states(tp, config) -> tuple[int, int, int]:
+    """FSDPMemTracker's sharded parameters and optimizer states between steps, and the parameters' count."""
+    trainer = warmed_up_sharded(tp, config, "balanced" if config.moe else None)
+    tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
+    with tracker:
+        steady = categories(tracker.get_tracker_snapshot("current"), {"Sharded Param": "weights", "OptState": "adam"})
+    return steady["weights"], steady["adam"], len(list(trainer.model.parameters()))
 
 
 def test_the_chosen_sizes_put_the_peak_in_forward_and_in_backward(measured):

@@ -4,19 +4,25 @@ state between steps and the peak, category by category, and its moment are MemTr
 gradient checkpointing and in fp32 too (hf_zero.ZeroTracker files DeepSpeed's buffers as the walk does), and every
 moment of the walk is MemTracker's reading after some op, in order."""
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
+import torch  # noqa: E402
+
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.libs.hf_step import causal_lm  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
 from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
 
+from .test_hf_fsdp import AT_3, PADDED_FAMILIES  # noqa: E402
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
 MIXTRAL = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
@@ -126,6 +132,24 @@ def test_at_dp_3_deepspeeds_state_between_steps_is_the_totals_padded_model_state
     assert r.measured.steady[PARAMETERS] == states["states/weights"] + buffers
     fp32 = ("states/master_weights", "states/adam_m", "states/adam_v")
     assert r.measured.steady[OPTIMIZER] == sum(states[x] for x in fp32) + 4 * 2
+
+
+@pytest.mark.parametrize("family", PADDED_FAMILIES)
+def test_at_dp_3_zero3s_partitions_are_the_totals_padded_states_on_each_familys_own_parameters(family):
+    """DeepSpeed's Init pads each of the family's parameters to a multiple of dp (its own _padding_size, on the shapes
+    of transformers' model) and keeps those of stage3_param_persistence_threshold elements or fewer (the Trainer's
+    "auto": 10h) whole beside their partitions: --totals' fp32 states are the partitions, its bf16 weights both (it
+    split the parameters' sum evenly on every family but Llama's)."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    config = make_config(LLAMA | AT_3 | PADDED_FAMILIES[family], zero_stage=3, dp=3)
+    model, _ = causal_lm(config, "balanced" if config.moe else None, torch.float32, torch.device("meta"))
+    sizes = [x.numel() for x in model.parameters()]
+    init = SimpleNamespace(_partition_world_size=lambda param: 3)  # the partition group's ranks: dp
+    part = sum((n + Init._padding_size(init, SimpleNamespace(ds_numel=n))) // 3 for n in sizes)
+    states = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}
+    assert [states[x] for x in ("states/master_weights", "states/adam_m", "states/adam_v")] == [4 * part] * 3
+    assert states["states/weights"] == 2 * (part + sum(n for n in sizes if n <= 10 * config.h))
 
 
 def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:

@@ -13,7 +13,10 @@ pytest.importorskip("torchtitan")
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
-from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
+from memcalc.probe.step import categories, measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
 
@@ -75,6 +78,31 @@ def test_at_dp_shard_3_its_state_between_steps_is_the_totals_padded_model_states
     assert steady[PARAMETERS] == states["states/weights"] + c.L * 8 * c.s * (c.head_dim // 2)
     assert steady[GRADIENTS] == states["states/grads"]
     assert steady[OPTIMIZER] == states["states/adam_m"] + states["states/adam_v"] + 4 * (7 * c.L + 3)
+
+
+def test_at_dp_shard_3_tied_its_sharded_states_are_the_totals_padded_ones_counting_the_shared_weight_once(one_thread):
+    """Tied, lm_head is tok_embeddings' weight, one parameter that fully_shard pads once: the measured fp32 shards,
+    their gradients and AdamW's m and v are --totals' (which split the parameters' sum evenly: 6,752 B of each too
+    few), beside a 0-d step per parameter."""
+    c = make_config(LLAMA3, dp_shard=3, b=1, s=5, h=250, a=5, num_query_groups=5, vocab_size=509, ffn_hidden_size=701,
+                    tie_embeddings=True)
+    measured, tensors = run_fake(_sharded_states, (c,), 3)
+    states = {x.name: x.bytes for x in per_gpu(c, STRATEGIES["none"]).worst().terms}
+    assert measured["weights"] == states["states/weights"] and measured["grads"] == states["states/grads"]
+    assert measured["adam"] == states["states/adam_m"] + states["states/adam_v"] + 4 * tensors
+
+
+def _sharded_states(tp, config) -> tuple[dict[str, int], int]:
+    """FSDPMemTracker's sharded parameters, gradients and optimizer states between steps under torchtitan's own
+    parallelize_llama, and the parameters' count."""
+    strategy = STRATEGIES["none"]
+    with data_parallel(tp, config, strategy) as dims:
+        trainer = warmed_up_sharded(tp, config, strategy, dims)
+        tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
+        with tracker:
+            steady = categories(tracker.get_tracker_snapshot("current"),
+                                {"Sharded Param": "weights", "Sharded Grad": "grads", "OptState": "adam"})
+        return steady, len(list(trainer.model.parameters()))
 
 
 @pytest.mark.parametrize("n, reshard, recompute", [(2, True, "none"), (2, False, "none"), (4, True, "none"),

@@ -13,6 +13,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
+from memcalc.sizing.totals import per_gpu  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
@@ -51,6 +52,20 @@ def test_between_steps_each_rank_holds_its_tp_shard_of_each_parameter_over_dp_sh
     (r,) = measure_step(c, ["tp-sp"])
     assert r.measured.steady["gradients"] == 4 * shard
     assert r.measured.steady["optimizer states"] == 8 * shard + 4 * (7 * c.L + 3)
+
+
+def test_a_vocabulary_t_does_not_divide_is_padded_from_rank_0s_rows_in_the_walk_and_the_totals(one_thread):
+    """torchtitan's TP plan splits tok_embeddings and output into uneven DTensor shards (v 253 over t 2: rank 0 holds
+    127 rows, rank 1 126), whose dim 0 fully_shard pads over dp_shard 3 in turn, to 129: the walk's state between steps
+    is FSDPMemTracker's, and --totals' states too (the walk padded 126 rows, to 126: 512 B of each fp32 state too
+    few; --totals split the parameters' sum evenly: 796 B of each too few)."""
+    c = make_config(LLAMA3, dp_shard=3, t=2, vocab_size=253)
+    (r,) = measure_step(c, ["tp-sp"])
+    assert r.matches, r.rows("steady")
+    states = {x.name: x.bytes for x in per_gpu(c, STRATEGIES["tp-sp"]).worst().terms}
+    assert r.measured.steady["gradients"] == states["states/grads"]
+    adam = states["states/adam_m"] + states["states/adam_v"]
+    assert r.measured.steady["optimizer states"] == adam + 4 * (7 * c.L + 3)  # and a 0-d step per parameter
 
 
 @pytest.mark.parametrize("changes", [
