@@ -90,8 +90,9 @@ def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
 
 
 def stage_rank(name: str, pp: int) -> int:
-    """The pipeline rank of the stage called `name` (`torchtitan_stages`' names)."""
-    return {"first": 0, "last": pp - 1}.get(name) if name in ("first", "last") else int(name.split()[-1])
+    """The pipeline rank of the stage called `name` (`stages`' and `torchtitan_stages`' names)."""
+    named = {"only": 0, "first": 0, "last": pp - 1}
+    return named[name] if name in named else int(name.split()[-1])
 
 
 def stage_named(config: ModelConfig, name: str | None) -> Stage:
@@ -101,6 +102,19 @@ def stage_named(config: ModelConfig, name: str | None) -> Stage:
     if chosen is None:
         raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
     return chosen
+
+
+def rank_chunks(config: ModelConfig, rank: int) -> list[range]:
+    """The layers of each model chunk pipeline rank `rank` holds: torchtitan's one contiguous share
+    (`torchtitan_stages`), else Megatron-LM's chunks of L/(pp*vpp) layers, chunk c*pp + rank for each of the vpp
+    (interleaved 1F1B; one without)."""
+    pp, chunks = config.pp, config.vpp or 1
+    if config.impl == "torchtitan" and pp > 1:
+        found = torchtitan_stages(config.L, pp, 1)
+        start = sum(x.layers for x in found[:rank])
+        return [range(start, start + found[rank].layers)]
+    n = config.L // (pp * chunks)
+    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(chunks)]
 
 
 def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:

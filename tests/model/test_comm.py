@@ -114,6 +114,17 @@ def test_a_step_counts_each_kind_of_layer_of_a_dense_and_moe_mix_as_often_as_the
     assert comm.per_step_bytes == 3 * (3 * comm.per_layer_bytes + 3 * dense.per_layer_bytes)
 
 
+def test_a_step_counts_the_layers_of_the_pipeline_rank_that_holds_the_most_moe_layers_as_its_schedule_splits_them():
+    """Interleaved, rank 0 of pp=2 holds chunks 0 and 2 (layers 0-1 and 4-5 of L=8): both MoE layers of freq 4;
+    torchtitan's pp=4 of L=8 (the embedding and the output a layer each) gives rank 1 layers 2-4, two MoE of freq 2."""
+    megatron = build_config(MOE | {"ep": 2, "L": 8, "pp": 2, "vpp": 2, "moe_layer_freq": 4})
+    torchtitan = build_config(MOE | {"impl": "torchtitan", "L": 8, "pp": 4, "moe_layer_freq": 2, "ep": 4,
+                                     "attention": "flash", "dropout": 0.0, "add_bias_linear": False})
+    dense = build_config(GPT | {"impl": "torchtitan", "L": 8, "pp": 4, "attention": "flash", "dropout": 0.0,
+                                "mlp": "swiglu", "norm": "rmsnorm", "add_bias_linear": False})
+    assert [layer_comm(c, TP_SP, 1).layers for c in (megatron, torchtitan, dense)] == [(2, 2), (2, 1), (3, 0)]
+
+
 def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
     text, _ = formula(build_config(MOE | {"ep": 2}), TP_SP, 2, ep=2)
     assert text == "10sbh(t-1)/t + 8E(t*ep-1) + 8rh(ep-1)/(ep*t) + 4r(ep-1)/(ep*t) + 8rh(t-1)/t + 4r(t-1)/t"
