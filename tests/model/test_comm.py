@@ -54,6 +54,15 @@ def test_a_step_is_every_layer_of_the_stage_times_the_microbatches_plus_the_pipe
     assert step.per_step_bytes == 3 * 4 * one.per_layer_bytes + 4 * boundary
 
 
+@pytest.mark.parametrize("layout", [["--num-microbatches", "4"], ["--global-batch-size", "8"]])
+def test_comm_steps_the_micro_batches_the_layout_gives_as_estimate_reads_them(layout):
+    args = ["comm", "--config", "tiny", "--t", "2", "--pp", "2", "--strategy", "tp", "--json"]
+    doc = json.loads(CliRunner().invoke(cli, [*args, *layout]).output)
+    assert doc["microbatches"] == 4
+    tp = doc["strategies"]["tp"]
+    assert tp["per_step_bytes"] == 4 * tp["layers"]["dense"] * tp["per_layer_bytes"] + tp["pipeline_bytes"]
+
+
 def test_comm_json_has_per_layer_bytes_and_the_collectives_of_each_strategy():
     out = CliRunner().invoke(cli, ["comm", "--config", "tiny", "--t", "2", "--json"]).output
     doc = json.loads(out)["strategies"]
