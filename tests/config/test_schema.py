@@ -170,3 +170,10 @@ def test_a_named_transformers_family_fixes_its_positions_and_biases_where_the_co
     assert build_config(gpt2 | {"add_bias_linear": False}).add_bias_linear is False
     llama = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "impl": "hf"})
     assert (llama.position_embedding_type, llama.add_bias_linear) == ("rope", False)
+
+
+def test_impl_torchtitan_defaults_to_llama3s_rope_and_linears_without_biases():
+    """torchtitan's Llama3 has no bias and no position table: without a config saying so, --totals counted both
+    among the parameters and the walk refused the layout (so the verdict fell back from the step's peak)."""
+    built = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "impl": "torchtitan"})
+    assert (built.position_embedding_type, built.add_bias_linear) == ("rope", False)
