@@ -486,15 +486,12 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
 
 def stage_layers(config: ModelConfig) -> tuple[int, int]:
     """(MoE layers, dense layers) on the pipeline rank holding the most MoE layers, then the most layers, as the
-    implementation splits them (`memcalc.sizing.pipeline.rank_chunks`); a dense model's layers count as the first
-    kind."""
-    from memcalc.sizing.pipeline import rank_chunks
-
+    implementation splits them (`ModelConfig.rank_chunks`); a dense model's layers count as the first kind."""
     def kinds(layers: list[int]) -> tuple[int, int]:
         moe = sum(map(config.is_moe_layer, layers)) if config.moe else len(layers)
         return moe, len(layers) - moe
 
-    return max(kinds([i for x in rank_chunks(config, r) for i in x]) for r in range(config.pp))
+    return max(kinds([i for x in config.rank_chunks(r) for i in x]) for r in range(config.pp))
 
 
 # Each group and count as a factor in symbols (text, LaTeX), under tensor parallelism and without it (t = 1).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.config.schema import ModelConfig
+from memcalc.config.schema import ModelConfig, torchtitan_split
 from memcalc.errors import ConfigError
 
 
@@ -58,15 +58,11 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
 
 
 def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
-    """Every rank's stage of torchtitan's pipeline: its pipeline_llm splits the model by
-    _generate_llm_fqn_per_model_part, which counts the embedding and the output as a layer each (its
-    first_stage_less_layers and last_stage_less_layers, 1 by default) and gives each rank (L + 2)/pp of them, the
-    first ranks one more where it does not divide; its default schedule, torch's Schedule1F1B, keeps min(m, pp - r)
-    micro-batches in flight on rank r. With pp > 2 a middle stage can hold the most."""
-    per, extra = divmod(L + 2, pp)
+    """Every rank's stage of torchtitan's pipeline (its layers: `torchtitan_split`): its default schedule, torch's
+    Schedule1F1B, keeps min(m, pp - r) micro-batches in flight on rank r. With pp > 2 a middle stage can hold the
+    most."""
     found = []
-    for r in range(pp):
-        layers = per + (r < extra) - (r == 0) - (r == pp - 1)
+    for r, layers in enumerate(torchtitan_split(L, pp)):
         kept = min(microbatches, pp - r)
         name = "first" if r == 0 else "last" if r == pp - 1 else f"rank {r}"
         found.append(Stage(name, layers, layers * kept, kept if r == 0 else 0, int(r == pp - 1),
@@ -102,19 +98,6 @@ def stage_named(config: ModelConfig, name: str | None) -> Stage:
     if chosen is None:
         raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
     return chosen
-
-
-def rank_chunks(config: ModelConfig, rank: int) -> list[range]:
-    """The layers of each model chunk pipeline rank `rank` holds: torchtitan's one contiguous share
-    (`torchtitan_stages`), else Megatron-LM's chunks of L/(pp*vpp) layers, chunk c*pp + rank for each of the vpp
-    (interleaved 1F1B; one without)."""
-    pp, chunks = config.pp, config.vpp or 1
-    if config.impl == "torchtitan" and pp > 1:
-        found = torchtitan_stages(config.L, pp, 1)
-        start = sum(x.layers for x in found[:rank])
-        return [range(start, start + found[rank].layers)]
-    n = config.L // (pp * chunks)
-    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(chunks)]
 
 
 def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:

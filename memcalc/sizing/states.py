@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import DTYPE_BYTES, GATED
-from memcalc.sizing.pipeline import Stage, rank_chunks, stage_rank
+from memcalc.sizing.pipeline import Stage, stage_rank
 
 
 def padded_vocab(config: ModelConfig, t: int) -> int:
@@ -188,11 +188,11 @@ def expert_tp(config: ModelConfig) -> int:
 
 
 def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
-    """The MoE layers among the stage's, as its rank holds them (`rank_chunks`): torchtitan's split need not give
-    each stage layers/freq of them."""
+    """The MoE layers among the stage's, as its rank holds them (`ModelConfig.rank_chunks`): torchtitan's split need
+    not give each stage layers/freq of them."""
     if not config.moe:
         return 0
-    return sum(sum(map(config.is_moe_layer, x)) for x in rank_chunks(config, stage_rank(stage.name, config.pp)))
+    return sum(sum(map(config.is_moe_layer, x)) for x in config.rank_chunks(stage_rank(stage.name, config.pp)))
 
 
 ROUTER_BUFFERS_WHY = ("each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers;"

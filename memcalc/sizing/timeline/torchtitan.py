@@ -19,9 +19,7 @@ from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import (
-    Stage, rank_chunks, stage_named, stage_rank, torchtitan_microbatches,
-)
+from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
@@ -181,7 +179,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 def stage_layers(config: ModelConfig, stage: Stage) -> range:
     """The layers `stage`'s chunk holds, as torchtitan's pipeline_llm splits them (all of them without pp)."""
-    return rank_chunks(config, stage_rank(stage.name, config.pp))[0]
+    return config.rank_chunks(stage_rank(stage.name, config.pp))[0]
 
 
 def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:
