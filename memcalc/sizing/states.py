@@ -178,7 +178,7 @@ def check_expert_states(config: ModelConfig) -> None:
                           " use pp 1")
     if c.pp > 1 and chunk % c.moe_layer_freq:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
-                          " (L/(pp*vpp)): memcalc counts each stage's MoE layers as layers/freq")
+                          " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
 
 
 def expert_tp(config: ModelConfig) -> int:
