@@ -26,8 +26,6 @@ RATE = Real(least=1e-3, most=1e9)
 @model_options
 @layout_options
 @strategy_option
-@click.option("--microbatches", type=POSITIVE, default=1, show_default=True,
-              help="Micro-batches per step (each runs every layer's collectives once).")
 @click.option("--format", "fmt", type=click.Choice(["table", "latex"]), default="table", show_default=True,
               help="table: every collective; latex: the per-layer formula of each strategy.")
 @click.option(
@@ -43,11 +41,12 @@ RATE = Real(least=1e-3, most=1e9)
 @click.option("--num-splits", type=POSITIVE, default=DEFAULT_SPLITS, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu: str, peak_tflops: float | None,
+def command(strategy: str, fmt: str, overlap: str | None, gpu: str, peak_tflops: float | None,
             link_gbps: float | None, num_splits: int, as_json: bool, **params: Any) -> None:
     """What tensor parallelism sends: every collective of the f, f*, g, g* operators
     in one layer, forward and backward, and the bytes one rank sends (ring
-    algorithm), per layer and per training step.
+    algorithm), per layer and per training step (of --num-microbatches
+    micro-batches, or --global-batch-size's; 1 unless given).
 
     \b
     Example: memcalc comm --config gpt3-175b
@@ -61,6 +60,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
         report = overlap_report(config, layout, methods, device, num_splits)
         echo_json(report) if as_json else _print_overlap(config, report)
         return
+    microbatches = config.microbatches or 1  # --num-microbatches or --global-batch-size: each runs every layer once
     results = [layer_comm(config, STRATEGIES[n], microbatches) for n in strategies_at(strategy, config)]
     width = DTYPE_BYTES[config.dtype]
     if as_json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -9,8 +10,8 @@ import click
 from memcalc.cli.options import (
     accounting_options, config_option, hf_config_option, knob_options, knobs_from, note_left_out,
 )
-from memcalc.model.impls import layer_tensors, plan, strategies_of
-from memcalc.model.knobs import Accounting, element_bytes
+from memcalc.model.impls import implementation, layer_tensors, plan, size_rule, strategies_of
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import TP, TP_SP, Strategy
 
@@ -43,12 +44,32 @@ def command(exact: bool, device: str, **params: Any) -> None:
     # "split by tp" is what tensor parallelism splits, which tp-sp does too where tp alone is not run
     tp = plan(knobs, TP) if TP.name in runs else TP if TP_SP.name in runs else None
     plans = [tp, plan(knobs, TP_SP) if TP_SP.name in runs else None]
-    rows = [_row(x, element_bytes(x.kind, knobs, accounting), *plans) for x in layer_tensors(knobs, accounting)]
+    kept = layer_tensors(knobs, accounting)
+    rows = [_row(x, element_bytes(x.kind, knobs, accounting), *plans) for x in kept]
     title = f"Saved for backward, one layer: {accounting_note(accounting, knobs.impl)}"
     if console.width >= WIDE:
         console.print(_table(title, rows))
     else:
         _print_list(title, rows)
+    for line in _at_some_sizes(knobs, accounting, kept):
+        click.echo(line)
+
+
+def _at_some_sizes(knobs: Knobs, accounting: Accounting, kept: tuple[SavedTensor, ...]) -> list[str]:
+    """What the sizes change in the set above, as `estimate` keeps it at its sizes (`tensors_at`): the size rule's
+    other set where its kernel does not run, and each size condition's tensor where the library takes its other
+    branch."""
+    rule = size_rule(knobs)
+    other = rule.outside(knobs, accounting) if rule is not None else ()
+    lines = [f"At some sizes: {rule.what} (adds {_names(x for x in other if x not in kept)}; drops"
+             f" {_names(x for x in kept if x not in other)})"] if rule is not None else []
+    conditions = [c for c in implementation(knobs).size_conditions if c.applies(knobs) and c.tensor in (*kept, *other)]
+    return lines + [f"At some sizes: {c.tensor.name}: {c.what}" + (f" ({_names(c.instead)} in its place)"
+                                                                     if c.instead else "") for c in conditions]
+
+
+def _names(tensors: Iterable[SavedTensor]) -> str:
+    return ", ".join(x.name for x in tensors) or "nothing"
 
 
 def _row(x: SavedTensor, width: int, tp: Strategy | None, tp_sp: Strategy | None) -> tuple[str, ...]:

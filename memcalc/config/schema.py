@@ -167,6 +167,17 @@ class ModelConfig(Knobs):
         moe_first_dense_layers (DeepSeek's first_k_dense_replace). `moe_layers` counts them."""
         return self.num_experts is not None and i >= (self.moe_first_dense_layers or 0) and i % self.moe_layer_freq == 0
 
+    def rank_chunks(self, rank: int) -> list[range]:
+        """The layers of each model chunk pipeline rank `rank` holds: torchtitan's one contiguous share
+        (`torchtitan_split`), else Megatron-LM's chunks of L/(pp*vpp) layers, chunk c*pp + rank for each of the vpp
+        (interleaved 1F1B; one without)."""
+        pp, chunks = self.pp, self.vpp or 1
+        if self.impl == "torchtitan" and pp > 1:
+            split = torchtitan_split(self.L, pp)
+            return [range(sum(split[:rank]), sum(split[:rank + 1]))]
+        n = self.L // (pp * chunks)
+        return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(chunks)]
+
     @property
     def moe_layers(self) -> int:
         """Layers with a MoE MLP, as `is_moe_layer` picks them; 0 if dense."""
@@ -192,6 +203,15 @@ class ModelConfig(Knobs):
     def as_dict(self, exclude_none: bool = False) -> dict[str, Any]:
         """The fields as a plain mapping (for JSON, or to build a changed config)."""
         return {k: v for k, v in asdict(self).items() if not (exclude_none and v is None)}
+
+
+def torchtitan_split(L: int, pp: int) -> list[int]:
+    """The layers of each rank of torchtitan's pipeline: its pipeline_llm splits the model by
+    _generate_llm_fqn_per_model_part, which counts the embedding and the output as a layer each (its
+    first_stage_less_layers and last_stage_less_layers, 1 by default) and gives each rank (L + 2)/pp of them, the
+    first ranks one more where it does not divide."""
+    per, extra = divmod(L + 2, pp)
+    return [per + (r < extra) - (r == 0) - (r == pp - 1) for r in range(pp)]
 
 
 # One layer's sizes, in the order flags, sweeps and tables list them.
@@ -358,6 +378,12 @@ def check_layout(config: ModelConfig) -> None:
     c = config
     if c.vpp is not None and c.pp < 2:
         raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
+    if c.impl == "torchtitan" and c.vpp is not None:
+        raise ConfigError(f"impl torchtitan: vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline is"
+                          " modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
+    if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
+        raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
+                          " NotImplementedError (no weight tying under pp); untie the embeddings")
     chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
     divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
     if c.cp > 1:

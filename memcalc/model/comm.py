@@ -485,14 +485,13 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
 
 
 def stage_layers(config: ModelConfig) -> tuple[int, int]:
-    """(MoE layers, dense layers) on the pipeline stage holding the most MoE layers, of L/pp contiguous layers
-    (Megatron's split); a dense model's layers count as the first kind."""
-    per_stage = config.L // config.pp
-    if not config.moe:
-        return per_stage, 0
-    moe = max(sum(map(config.is_moe_layer, range(stage * per_stage, (stage + 1) * per_stage)))
-              for stage in range(config.pp))
-    return moe, per_stage - moe
+    """(MoE layers, dense layers) on the pipeline rank holding the most MoE layers, then the most layers, as the
+    implementation splits them (`ModelConfig.rank_chunks`); a dense model's layers count as the first kind."""
+    def kinds(layers: list[int]) -> tuple[int, int]:
+        moe = sum(map(config.is_moe_layer, layers)) if config.moe else len(layers)
+        return moe, len(layers) - moe
+
+    return max(kinds([i for x in config.rank_chunks(r) for i in x]) for r in range(config.pp))
 
 
 # Each group and count as a factor in symbols (text, LaTeX), under tensor parallelism and without it (t = 1).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.config.schema import ModelConfig
+from memcalc.config.schema import ModelConfig, torchtitan_split
 from memcalc.errors import ConfigError
 
 
@@ -58,15 +58,11 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
 
 
 def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
-    """Every rank's stage of torchtitan's pipeline: its pipeline_llm splits the model by
-    _generate_llm_fqn_per_model_part, which counts the embedding and the output as a layer each (its
-    first_stage_less_layers and last_stage_less_layers, 1 by default) and gives each rank (L + 2)/pp of them, the
-    first ranks one more where it does not divide; its default schedule, torch's Schedule1F1B, keeps min(m, pp - r)
-    micro-batches in flight on rank r. With pp > 2 a middle stage can hold the most."""
-    per, extra = divmod(L + 2, pp)
+    """Every rank's stage of torchtitan's pipeline (its layers: `torchtitan_split`): its default schedule, torch's
+    Schedule1F1B, keeps min(m, pp - r) micro-batches in flight on rank r. With pp > 2 a middle stage can hold the
+    most."""
     found = []
-    for r in range(pp):
-        layers = per + (r < extra) - (r == 0) - (r == pp - 1)
+    for r, layers in enumerate(torchtitan_split(L, pp)):
         kept = min(microbatches, pp - r)
         name = "first" if r == 0 else "last" if r == pp - 1 else f"rank {r}"
         found.append(Stage(name, layers, layers * kept, kept if r == 0 else 0, int(r == pp - 1),
@@ -90,8 +86,9 @@ def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
 
 
 def stage_rank(name: str, pp: int) -> int:
-    """The pipeline rank of the stage called `name` (`torchtitan_stages`' names)."""
-    return {"first": 0, "last": pp - 1}.get(name) if name in ("first", "last") else int(name.split()[-1])
+    """The pipeline rank of the stage called `name` (`stages`' and `torchtitan_stages`' names)."""
+    named = {"only": 0, "first": 0, "last": pp - 1}
+    return named[name] if name in named else int(name.split()[-1])
 
 
 def stage_named(config: ModelConfig, name: str | None) -> Stage:

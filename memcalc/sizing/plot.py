@@ -167,13 +167,16 @@ def _bytes_label(layers: int) -> str:
 
 
 def _segments(estimates: Sequence[LayerEstimate], by_block: bool, layers: int) -> dict[str, list[int]]:
-    """Label -> bytes of `layers` layers per strategy (a model-wide tensor once for each kind of layer), in forward
-    order; every strategy saves the same tensors."""
+    """Label -> bytes of `layers` layers per strategy, as `LayerEstimate.layers_bytes` counts them: all L layers each
+    kind at its own count (dense layers beside MoE ones), one layer the MoE layer's; a model-wide tensor once for
+    each kind of layer. In forward order; every strategy saves the same tensors."""
     segments: dict[str, list[int]] = {}
     for i, r in enumerate(estimates):
-        for x in r.tensors:
+        dense = r.dense_layers if layers > 1 else 0
+        kinds = ((x, layers - dense) for x in r.tensors), ((x, dense) for x in r.dense if not x.tensor.model_wide)
+        for x, count in (pair for kind in kinds for pair in kind):
             label = x.tensor.block if by_block else x.tensor.name
-            times = _copies(r, layers) if x.tensor.model_wide else layers
+            times = _copies(r, layers) if x.tensor.model_wide else count
             segments.setdefault(label, [0] * len(estimates))[i] += x.bytes * times
     return segments
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import DTYPE_BYTES, GATED
-from memcalc.sizing.pipeline import Stage
+from memcalc.sizing.pipeline import Stage, stage_rank
 
 
 def padded_vocab(config: ModelConfig, t: int) -> int:
@@ -183,7 +183,7 @@ def check_expert_states(config: ModelConfig) -> None:
                           " use pp 1")
     if c.pp > 1 and chunk % c.moe_layer_freq:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
-                          " (L/(pp*vpp)): memcalc counts each stage's MoE layers as layers/freq")
+                          " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
 
 
 def expert_tp(config: ModelConfig) -> int:
@@ -193,10 +193,11 @@ def expert_tp(config: ModelConfig) -> int:
 
 
 def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
-    """The MoE layers among a stage's: all of the model's with one stage, else layers/freq (check_expert_states)."""
+    """The MoE layers among the stage's, as its rank holds them (`ModelConfig.rank_chunks`): torchtitan's split need
+    not give each stage layers/freq of them."""
     if not config.moe:
         return 0
-    return config.moe_layers if config.pp == 1 else stage.layers // config.moe_layer_freq
+    return sum(sum(map(config.is_moe_layer, x)) for x in config.rank_chunks(stage_rank(stage.name, config.pp)))
 
 
 ROUTER_BUFFERS_WHY = ("each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers;"

@@ -55,3 +55,13 @@ def test_knobs_can_come_from_a_config_file():
     rows = _rows("--config", shipped("llama3-70b"))
     assert "mlp/gate" in rows and "ln1/input" in rows
     assert rows["attention/k"][4] == "yes (g/t)"
+
+
+def test_what_the_sizes_change_is_named_under_the_table_as_estimate_counts_it():
+    """Megatron's default layer (fused softmax) keeps no causal mask inside the kernel's window; estimate counts one
+    at s = 7: explain names it, with the rule and the condition that decide, under the table."""
+    run = memcalc_cli("explain", "--impl", "megatron")
+    notes = [line for line in run.out.splitlines() if line.startswith("At some sizes: ")]
+    assert len(notes) == 2 and "fused softmax window" in notes[0] and "(adds attention/causal_mask;" in notes[0]
+    assert notes[1].startswith("At some sizes: attention/causal_mask: ")
+    assert "attention/causal_mask" not in _rows("--impl", "megatron")

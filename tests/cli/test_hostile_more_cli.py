@@ -131,7 +131,7 @@ def test_overlap_with_another_strategy_is_refused_not_shown_as_tp_sp():
 @pytest.mark.parametrize("command, flag", [
     (["estimate", "--config", "tiny"], "--b"),
     (["estimate", "--config", "tiny"], "--vocab-size"),
-    (["comm", "--config", "tiny"], "--microbatches"),
+    (["comm", "--config", "tiny"], "--num-splits"),
     (["fit", "--config", "tiny", "--budget", "80GiB"], "--t"),
     (["measure", "--config", "tiny"], "--num-splits"),
     (["sweep", "--config", "tiny"], "--etp"),

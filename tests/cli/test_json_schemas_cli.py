@@ -27,7 +27,7 @@ OUTPUTS = [
     ("estimate", ["estimate", "--config", "gpt3-175b", "--attention", "flash", "--cp", "2", "--totals", "--json"]),  # cp: no peak
     ("estimate", ["estimate", "--config", "llama2-7b", "--device-memory", "4GiB", "--reserve", "0", "--json"]),  # no fit
     ("formula", ["formula", "--config", "llama3-70b", "--format", "json"]),
-    ("comm", ["comm", "--config", "gpt3-175b", "--pp", "8", "--microbatches", "4", "--json"]),
+    ("comm", ["comm", "--config", "gpt3-175b", "--pp", "8", "--num-microbatches", "8", "--json"]),
     ("comm-overlap", ["comm", "--config", "gpt3-175b", "--overlap", "default", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--solve", "t", "--json"]),

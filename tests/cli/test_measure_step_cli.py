@@ -68,7 +68,8 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--backend", "gloo"], "--backend does not apply"),
     (["--comm"], "--comm does not apply"),
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
-    (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model position_embedding_type"),
+    (["--impl", "torchtitan", "--dp-shard", "2", "--strategy", "tp"],
+     "the step timeline for impl torchtitan does not model dp_shard with tp"),
     (["--impl", "hf", "--t", "2"], "the step timeline for impl hf does not model tied embeddings under tp"),
     (["--impl", "hf", "--zero-stage", "3"], "--step does not compare DeepSpeed's ZeRO-3 step"),
 ])

@@ -28,7 +28,7 @@ COMMANDS = {
         "--b": WHOLE, "--s": WHOLE, "--t": WHOLE, "--L": WHOLE, "--dropout": PROBABILITY,
         "--device-memory": SIZE, "--reserve": SIZE}),
     "comm": (["comm", "--json"], {
-        "--b": WHOLE, "--s": WHOLE, "--t": WHOLE, "--microbatches": WHOLE, "--peak-tflops": REAL,
+        "--b": WHOLE, "--s": WHOLE, "--t": WHOLE, "--num-microbatches": WHOLE, "--peak-tflops": REAL,
         "--link-gbps": REAL}),
     "comm --overlap": (["comm", "--overlap", "default", "--json"], {
         "--b": WHOLE, "--s": WHOLE, "--t": WHOLE, "--peak-tflops": REAL, "--link-gbps": REAL, "--num-splits": WHOLE}),

@@ -54,6 +54,15 @@ def test_a_step_is_every_layer_of_the_stage_times_the_microbatches_plus_the_pipe
     assert step.per_step_bytes == 3 * 4 * one.per_layer_bytes + 4 * boundary
 
 
+@pytest.mark.parametrize("layout", [["--num-microbatches", "4"], ["--global-batch-size", "8"]])
+def test_comm_steps_the_micro_batches_the_layout_gives_as_estimate_reads_them(layout):
+    args = ["comm", "--config", "tiny", "--t", "2", "--pp", "2", "--strategy", "tp", "--json"]
+    doc = json.loads(CliRunner().invoke(cli, [*args, *layout]).output)
+    assert doc["microbatches"] == 4
+    tp = doc["strategies"]["tp"]
+    assert tp["per_step_bytes"] == 4 * tp["layers"]["dense"] * tp["per_layer_bytes"] + tp["pipeline_bytes"]
+
+
 def test_comm_json_has_per_layer_bytes_and_the_collectives_of_each_strategy():
     out = CliRunner().invoke(cli, ["comm", "--config", "tiny", "--t", "2", "--json"]).output
     doc = json.loads(out)["strategies"]
@@ -112,6 +121,17 @@ def test_a_step_counts_each_kind_of_layer_of_a_dense_and_moe_mix_as_often_as_the
     comm, dense = layer_comm(config, TP_SP, 3), layer_comm(build_config(GPT), TP_SP, 3)
     assert comm.layers == (3, 3) and comm.dense_layer_bytes == dense.per_layer_bytes
     assert comm.per_step_bytes == 3 * (3 * comm.per_layer_bytes + 3 * dense.per_layer_bytes)
+
+
+def test_a_step_counts_the_layers_of_the_pipeline_rank_that_holds_the_most_moe_layers_as_its_schedule_splits_them():
+    """Interleaved, rank 0 of pp=2 holds chunks 0 and 2 (layers 0-1 and 4-5 of L=8): both MoE layers of freq 4;
+    torchtitan's pp=4 of L=8 (the embedding and the output a layer each) gives rank 1 layers 2-4, two MoE of freq 2."""
+    megatron = build_config(MOE | {"ep": 2, "L": 8, "pp": 2, "vpp": 2, "moe_layer_freq": 4})
+    torchtitan = build_config(MOE | {"impl": "torchtitan", "L": 8, "pp": 4, "moe_layer_freq": 2, "ep": 4,
+                                     "attention": "flash", "dropout": 0.0, "add_bias_linear": False})
+    dense = build_config(GPT | {"impl": "torchtitan", "L": 8, "pp": 4, "attention": "flash", "dropout": 0.0,
+                                "mlp": "swiglu", "norm": "rmsnorm", "add_bias_linear": False})
+    assert [layer_comm(c, TP_SP, 1).layers for c in (megatron, torchtitan, dense)] == [(2, 2), (2, 1), (3, 0)]
 
 
 def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():

@@ -10,6 +10,7 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.image import imread  # noqa: E402
 
+from memcalc.api import load  # noqa: E402
 from memcalc.sizing import plot  # noqa: E402
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError, MemcalcError  # noqa: E402
@@ -93,6 +94,14 @@ def test_each_bar_stacks_up_to_the_seeds_total():
     for i, name in enumerate(STRATEGIES):
         top = max(p.get_y() + p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - i) < 1e-9)
         assert top == pytest.approx(96 * _seed_bytes(name, s=2048) / 2**30)
+
+
+def test_a_bar_of_dense_layers_beside_moe_ones_stacks_up_to_estimates_total():
+    """DeepSeek-V3's first 3 layers keep a dense MLP's tensors, the other 58 the MoE's: not 61 MoE layers."""
+    config = load("deepseek-v3")
+    layer = estimate(config, STRATEGIES["none"])
+    ax = plot.breakdown_figure([layer], False, config.L, TITLES, None).axes[0]
+    assert max(p.get_y() + p.get_height() for p in ax.patches) == pytest.approx(layer.total_bytes / 2**30)
 
 
 def test_breakdown_png_is_wider_for_its_legend(tmp_path):

@@ -5,9 +5,9 @@ import pytest
 
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
-from memcalc.sizing.pipeline import stages
-from memcalc.sizing.states import (group_params, padded_vocab, router_buffer_bytes, state_bytes, total_params,
-                                   vocab_shard)
+from memcalc.sizing.pipeline import pipeline_stages, stages
+from memcalc.sizing.states import (group_params, moe_layers_held, padded_vocab, router_buffer_bytes, state_bytes,
+                                   total_params, vocab_shard)
 
 # By-hand counts use v as given (no padding); the padding tests below set the divisor themselves.
 GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000, make_vocab_size_divisible_by=1)
@@ -130,6 +130,16 @@ def test_dense_layers_between_moe_layers_keep_the_dense_mlp():
     config = build_config(MOE | dict(moe_layer_freq=2, ffn_hidden_size=128))
     params = group_params(config, stages(config.L, 1, None)[0], 1)
     assert params["mlp/fc1"] == 2 * 64 * 2 * 128 and params["moe/experts"] == 2 * 8 * 3 * 64 * 96
+
+
+def test_each_torchtitan_stage_holds_the_moe_layers_of_its_own_share_of_the_layers():
+    """torchtitan's split (the embedding and the output a layer each) gives pp=3 of L=6 layers 0-1, 2-4 and 5: with
+    MoE every 2 layers, rank 1 holds two of them (2 and 4), the last none, not layers/freq each."""
+    config = build_config(MOE | dict(impl="torchtitan", pp=3, L=6, moe_layer_freq=2, dropout=0.0, attention="flash",
+                                     position_embedding_type="rope", add_bias_linear=False))
+    held = [moe_layers_held(config, x) for x in pipeline_stages(config)]
+    experts = [group_params(config, x, 1)["moe/experts"] // (8 * 3 * 64 * 96) for x in pipeline_stages(config)]
+    assert held == experts == [1, 2, 0]
 
 
 def test_shared_experts_are_split_by_t_as_the_dense_mlp():

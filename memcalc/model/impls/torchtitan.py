@@ -358,5 +358,7 @@ IMPLEMENTATION = Implementation(
     refuses=(EP_WITHOUT_TP,),
     splits=splits,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
-    defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
+    defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op",
+              "add_bias_linear": False, "position_embedding_type": "rope",  # Llama3: no biases, RoPE
+              "tie_embeddings": False},  # its Decoder's enable_weight_tying (True in its 1B and 3B flavours)
 )

@@ -19,7 +19,7 @@ from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
@@ -157,21 +157,15 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings and config.dp_shard is not None,
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
-        (config.tie_embeddings and config.pp != 1, f"tie_embeddings with pp={config.pp} (Decoder.update_from_config"
-                                                   " raises NotImplementedError: no weight tying under pp)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
-        (config.pp > 1 and config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
         # the probe runs a stage on a fake group of pp ranks (memcalc.probe.libs.torchtitan_pp), with no mesh for tp
         # or dp_shard beside it: nothing to measure a walk against
         (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None),
          "pp with tp or dp_shard (pp at t = 1 is walked, with experts too)"),
-        (config.pp > 1 and not _moe_share_kept(config),
-         "experts beside dense blocks under pp where a stage's share of MoE layers is not its layers/freq"
-         f" (moe_layer_freq={config.moe_layer_freq}: each stage's MoE layers as torchtitan splits the layers)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -182,16 +176,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 def stage_layers(config: ModelConfig, stage: Stage) -> range:
     """The layers `stage`'s chunk holds, as torchtitan's pipeline_llm splits them (all of them without pp)."""
-    found = pipeline_stages(config)
-    start = sum(x.layers for x in found[:found.index(stage)])
-    return range(start, start + stage.layers)
-
-
-def _moe_share_kept(config: ModelConfig) -> bool:
-    """Whether each stage holds layers/freq MoE layers, as memcalc.sizing.states counts them: a share torchtitan's
-    split (the embedding and the output counted as a layer each) need not keep beside dense blocks."""
-    return all(sum(map(config.is_moe_layer, stage_layers(config, x))) == moe_layers_held(config, x)
-               for x in pipeline_stages(config))
+    return config.rank_chunks(stage_rank(stage.name, config.pp))[0]
 
 
 def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:

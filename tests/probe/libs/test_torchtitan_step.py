@@ -142,11 +142,8 @@ def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_th
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"pp": 2, "L": 4, "vpp": 2}, "vpp=2"),
     ({"pp": 2, "num_microbatches": 1}, "num_microbatches=1 below pp=2"),
     ({"pp": 2, "dp_shard": 2}, "pp with tp or dp_shard"),
-    ({"pp": 3, "L": 6, "num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2},  # layers 2-4: two MoE ones
-     "experts beside dense blocks under pp where a stage's share of MoE layers is not its layers/freq"),
     ({"cp": 2}, "cp=2"),
     ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True, "dp_shard": 2}, "tie_embeddings with dp_shard"),
