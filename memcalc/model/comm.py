@@ -41,7 +41,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.evaluate import check_strategy, dim_sizes
+from memcalc.model.evaluate import check_strategy, dim_sizes, routers
 from memcalc.model.impls import implementation, plan
 from memcalc.model.impls.hf import resid_dropout, routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
@@ -467,6 +467,7 @@ def _sent(rows: tuple[tuple[Collective, int], ...]) -> int:
 def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> LayerComm:
     """Per-layer collectives and bytes, and the step's total on the pipeline stage with the most MoE layers."""
     check_strategy(config, strategy)
+    check_even_parts(config, strategy)
     sizes, width = dim_sizes(config), DTYPE_BYTES[config.dtype]
     t = config.t if strategy.tensor_parallel else 1
 
@@ -482,6 +483,20 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
     pipeline = microbatches * boundary if config.pp > 1 else 0
     per_step = microbatches * (moe_layers * _sent(layer) + dense_layers * _sent(dense)) + pipeline
     return LayerComm(strategy, layer, per_step, pipeline, dense, (moe_layers, dense_layers))
+
+
+def check_even_parts(config: ModelConfig, strategy: Strategy) -> None:
+    """Refuse, in one line, a balanced bound whose all-to-alls send uneven parts: a router's k*b*s/routers slots
+    that ep does not divide. The forced route deals them round the ep ranks, so a rank keeps one more than it sends
+    each other rank, and returns what it received unlike what it sent: not the even (ep-1)/ep share."""
+    if not config.moe or config.ep == 1 or config.moe_tokens != "balanced":
+        return
+    n = routers(config, strategy)
+    slots = config.moe_router_topk * (config.b * (config.s // config.cp) // n)
+    if slots % config.ep:
+        raise ConfigError(f"the communication ledger does not model a router's k*b*s/{n}={slots} slots that"
+                          f" ep={config.ep} does not divide under the balanced bound (its all-to-alls' parts are"
+                          " uneven): choose b*s so that ep divides them")
 
 
 def stage_layers(config: ModelConfig) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from types import ModuleType
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.model.comm import layer_collectives
+from memcalc.model.comm import check_even_parts, layer_collectives
 from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.probe import require_torch, routing_fixed
@@ -404,9 +404,11 @@ def _compared(
 
 def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) -> bool:
     """Whether a library layer's collectives can be compared with the ledger: it models them (not latent
-    the allgather dispatcher's, not transformers' ep plan) and their bytes do not hang on the routing (`routing_fixed`)."""
+    the allgather dispatcher's, not transformers' ep plan, not uneven all-to-alls) and their bytes do not hang on the
+    routing (`routing_fixed`)."""
     try:
         layer_collectives(config, strategy, ep=config.ep)
+        check_even_parts(config, strategy)
     except ConfigError:
         return False
     return routing_fixed(config, route)

@@ -86,6 +86,16 @@ def test_measure_comm_shows_megatrons_moe_collectives_next_to_the_ledgers(tmp_pa
     assert len(dispatch) == 4 and "match: every tensor agrees to the byte" in run.out
 
 
+def test_measure_compares_only_the_saved_tensors_of_a_moe_layer_whose_all_to_alls_are_uneven():
+    """A router's k*b*s/t = 9 slots over ep = 2: the forced balanced route sends 4 away and returns 5, which the
+    ledger does not model (model.comm.check_even_parts); the saved tensors are still the ledger's."""
+    from memcalc.probe.measure import measure
+
+    config = build_config(SIZES | {"t": 2, "ep": 2, "b": 1, "s": 6, "moe_router_topk": 3})
+    (m,) = measure(config, ["tp-sp"], "cpu", None, "fake", 240, route="balanced")
+    assert m.comm == () and m.matches, m.differences()
+
+
 def test_measure_comm_refuses_a_moe_layer_whose_routing_the_ledger_does_not_fix_in_one_line(tmp_path):
     config = tmp_path / "moe.yaml"
     config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in (SIZES | {"ep": 2}).items()))
