@@ -291,7 +291,8 @@ def _experts(
     """megatron-core's MoELayer with the all-to-all dispatcher, experts over ep ranks and etp = t: its collectives.
 
     Forward, in megatron's order: the shared experts (a dense MLP's g and g*), the router's aux-loss
-    all-reduce of token counts over t, the dispatcher's gather of every rank's token counts over t*ep,
+    all-reduce of token counts over t, the dispatcher's gather of every rank's token counts over t*ep (none when
+    padded to capacity: its preprocess fills every count with the capacity and returns before the gather),
     the all-to-all over ep of this rank's permuted tokens and then of their probabilities, their gather
     over t (a g: etp = t), the reduce-scatter over t of the experts' output (a g*) and the combining
     all-to-all. Backward meets the routed path first (autograd runs the later-made nodes first), each
@@ -310,7 +311,7 @@ def _experts(
     a2a = [c for c in _all_to_alls(bound) if ep > 1]  # an expert-parallel group of one exchanges nothing
     routed = [
         *([_AUX_COUNTS] if tp and knobs.moe_aux_loss else []),
-        _COUNTS,
+        *([] if knobs.moe_pad_expert_input_to_capacity else [_COUNTS]),  # padded: every count is the capacity
         *[c for c in a2a if c.name == "moe/dispatch"],
         *(_tp_pair(bound) if tp else []),
         *[c for c in a2a if c.name == "moe/combine"],

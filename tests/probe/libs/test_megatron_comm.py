@@ -52,8 +52,10 @@ def test_megatrons_moe_layer_under_tp_sp_issues_the_ledgers_collectives_in_order
     assert any(r.name == "moe/dispatch" for r in rows) == (ep > 1)
 
 
-@pytest.mark.parametrize("knobs", [{"moe_aux_loss": True}, {"dtype": "fp32", "recompute": "full", "mlp": "swiglu"}],
-                         ids=["the aux loss's all-reduce of token counts", "fp32, full recomputation reruns them"])
+@pytest.mark.parametrize("knobs", [{"moe_aux_loss": True}, {"dtype": "fp32", "recompute": "full", "mlp": "swiglu"},
+                                   {"moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True}],
+                         ids=["the aux loss's all-reduce of token counts", "fp32, full recomputation reruns them",
+                              "padded to capacity: no gather of the token counts"])
 def test_megatrons_moe_layer_issues_the_router_and_recomputation_collectives_the_ledger_lists(knobs):
     rows = _rows("tp-sp", 2, knobs | {"ep": 2})
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
