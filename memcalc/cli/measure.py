@@ -107,8 +107,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
                           " tensors do not depend on them)")
     if layer is None:
         layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
-    if route == "all-to-one" and config.moe_tokens == "worst" and capacity_caps_worst(config):
-        raise ConfigError("--route all-to-one pins moe_tokens worst only where no capacity caps it: with"
+    if route == "all-to-one" and config.moe_tokens in ("worst", "capacity") and capacity_caps_worst(config):
+        raise ConfigError(f"--route all-to-one pins moe_tokens {config.moe_tokens} only where no capacity caps it: with"
                           " moe_expert_capacity_factor unpadded that bound is every expert full, which the route does"
                           " not make; set moe_pad_expert_input_to_capacity, or leave the capacity factor unset")
     if comm and layer != "memcalc":

@@ -97,10 +97,12 @@ def test_a_plot_draws_the_layouts_megatron_runs(tmp_path):
     assert (bars.code, bars.err) == (0, NOTE)
 
 
-def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_the_worst_bound():
-    # found by a random-shape hunt: the route fills only its k experts, the capped bound every expert ("differs")
-    capped = ("--moe-expert-capacity-factor", "0.5", "--moe-tokens", "worst", "--route", "all-to-one")
+@pytest.mark.parametrize("bound", ["worst", "capacity"])
+def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_the_worst_bound(bound):
+    # found by random-shape hunts: the route fills only its k experts, the capped bound every expert ("differs");
+    # moe_tokens capacity is that same bound (c=0.5, ep=4, t=4: permute_indices 24 B short of it)
+    capped = ("--moe-expert-capacity-factor", "0.5", "--moe-tokens", bound, "--route", "all-to-one")
     small = ("--b", "1", "--s", "8", "--h", "16", "--a", "8", "--moe-ffn-hidden-size", "16", "--attention", "eager")
     run = memcalc_cli("measure", "--config", MIXTRAL, "--impl", "megatron", "--strategy", "none", *small, *capped)
-    one_line_error(run, "--route all-to-one pins moe_tokens worst only where no capacity caps it",
+    one_line_error(run, f"--route all-to-one pins moe_tokens {bound} only where no capacity caps it",
                    "moe_pad_expert_input_to_capacity")
