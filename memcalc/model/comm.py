@@ -469,7 +469,7 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
     """Per-layer collectives and bytes, and the step's total on the pipeline stage with the most MoE layers."""
     check_strategy(config, strategy)
     check_even_parts(config, strategy)
-    sizes, width = dim_sizes(config), DTYPE_BYTES[config.dtype]
+    sizes, width = dim_sizes(config, routers(config, strategy)), DTYPE_BYTES[config.dtype]  # r as the ledger's
     t = config.t if strategy.tensor_parallel else 1
 
     def rows(knobs: Any) -> tuple[tuple[Collective, int], ...]:

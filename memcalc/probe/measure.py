@@ -16,7 +16,7 @@ from types import ModuleType
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.comm import check_even_parts, layer_collectives
-from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
+from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate, routers
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.probe import require_torch, routing_fixed
 from memcalc.probe.collectives import CollectiveLog, CommRow, LoggedCollective, compare_collectives
@@ -423,5 +423,5 @@ def _compared_comm(
     methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
     predicted = tuple(c for c in layer_collectives(config, strategy, methods, t, overlap.num_splits, config.ep)
                       if c.group.size(t, config.ep) > 1)
-    return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives,
-                               config.ep)
+    return compare_collectives(predicted, dim_sizes(config, routers(config, strategy)), t, DTYPE_BYTES[config.dtype],
+                               result.collectives, config.ep)

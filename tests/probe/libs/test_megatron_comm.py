@@ -98,6 +98,18 @@ def test_measure_compares_only_the_saved_tensors_of_a_moe_layer_whose_all_to_all
     assert m.comm == () and m.matches, m.differences()
 
 
+def test_measure_compares_the_collectives_of_each_routers_capacity_under_tp_sp():
+    """Padded to capacity each of the t routers keeps ceil(k*(b*s/t)/E * c) slots an expert (the ledger's r at
+    `routers` = t), not the capacity of all b*s tokens: 6 an expert, not 11 (found by a drawn measure: the gather
+    of 42 slots a rank read as 38.5)."""
+    from memcalc.probe.measure import measure
+
+    config = build_config(SIZES | {"t": 2, "b": 3, "s": 8, "h": 8, "a": 4, "num_experts": 7, "moe_ffn_hidden_size": 4,
+                                   "moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True})
+    (m,) = measure(config, ["tp-sp"], "cpu", None, "fake", 240, route="balanced")
+    assert m.comm and m.matches, m.differences()
+
+
 def test_measure_comm_refuses_a_moe_layer_whose_routing_the_ledger_does_not_fix_in_one_line(tmp_path):
     config = tmp_path / "moe.yaml"
     config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in (SIZES | {"ep": 2}).items()))
