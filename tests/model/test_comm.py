@@ -120,7 +120,8 @@ def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
 
 
 @pytest.mark.parametrize("knobs, strategy, message", [
-    ({"impl": "megatron"}, TP, "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
+    ({"impl": "megatron"}, TP,
+     "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
     ({"impl": "hf", "family": "mixtral", "ep": 2}, NONE,
      "^impl hf: ep=2: transformers' expert-parallel plan \\(ep_dispatch_experts\\) is not"),
     ({"ep": 2, "b": 1, "s": 6, "moe_router_topk": 3, "t": 2}, TP_SP,
