@@ -111,6 +111,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         raise ConfigError(f"--route all-to-one pins moe_tokens {config.moe_tokens} only where no capacity caps it: with"
                           " moe_expert_capacity_factor unpadded that bound is every expert full, which the route does"
                           " not make; set moe_pad_expert_input_to_capacity, or leave the capacity factor unset")
+    if route == "balanced" and config.moe_tokens != "balanced":
+        _check_balanced_pins(config, names)
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
@@ -189,6 +191,25 @@ def _strategy_json(m: StrategyMeasurement) -> dict:
 
 def _list(shape: tuple[int, ...] | None) -> list[int] | None:
     return None if shape is None else list(shape)
+
+
+def _check_balanced_pins(config: ModelConfig, names: list[str]) -> None:
+    """--route balanced makes the balanced bound's slots (the ledger's moe_tokens balanced, to the byte): another
+    bound is compared with it only where it counts the same (a capacity every expert fills, say), else refused."""
+    from dataclasses import replace
+
+    from memcalc.model.evaluate import estimate
+    from memcalc.model.knobs import Accounting
+    from memcalc.model.strategy import STRATEGIES
+
+    def kept(c: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(x.tensor.name, x.shape) for x in estimate(c, STRATEGIES[name], Accounting(exact=True)).tensors]
+
+    for name in names:
+        if kept(config, name) != kept(replace(config, moe_tokens="balanced"), name):
+            raise ConfigError(f"--route balanced makes the balanced bound's slots, which moe_tokens {config.moe_tokens}"
+                              f" does not count here ({name}: some expert below it); measure with --moe-tokens"
+                              " balanced")
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:

@@ -97,6 +97,21 @@ def test_a_plot_draws_the_layouts_megatron_runs(tmp_path):
     assert (bars.code, bars.err) == (0, NOTE)
 
 
+def test_measure_refuses_the_balanced_route_against_a_capacity_it_does_not_fill(tmp_path):
+    # found by a random-shape hunt: each of t=2 routers deals its k*b*s/t = 3 slots round E = 6 experts, where the
+    # capacity bound counts every expert of the ep = 2 ranks at ceil(c*k*b*s/(t*E)) = 1: measure said "differs"
+    fields = {"impl": "megatron", "add_bias_linear": False, "norm": "layernorm", "attention": "eager", "dropout": 0.0,
+              "num_experts": 6, "moe_router_topk": 1, "moe_router_score_function": "sigmoid", "ep": 2, "dp": 4,
+              "moe_expert_capacity_factor": 0.25,
+              "moe_tokens": "capacity", "L": 1, "b": 1, "s": 6, "a": 4, "h": 16, "t": 2, "ffn_hidden_size": 10,
+              "vocab_size": 22, "moe_ffn_hidden_size": 2}
+    config = tmp_path / "capacity.yaml"
+    config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in fields.items()))
+    run = memcalc_cli("measure", "--config", str(config), "--strategy", "tp-sp", "--route", "balanced")
+    one_line_error(run, "--route balanced makes the balanced bound's slots, which moe_tokens capacity does not count",
+                   "--moe-tokens balanced")
+
+
 @pytest.mark.parametrize("bound", ["worst", "capacity"])
 def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_the_worst_bound(bound):
     # found by random-shape hunts: the route fills only its k experts, the capped bound every expert ("differs");
