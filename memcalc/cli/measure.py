@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -12,8 +13,11 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting
 from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
+from memcalc.model.strategy import STRATEGIES
 from memcalc.probe import LAYERS, ROUTES, capacity_caps_worst, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
@@ -196,12 +200,6 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
 def _check_balanced_pins(config: ModelConfig, names: list[str]) -> None:
     """--route balanced makes the balanced bound's slots (the ledger's moe_tokens balanced, to the byte): another
     bound is compared with it only where it counts the same (a capacity every expert fills, say), else refused."""
-    from dataclasses import replace
-
-    from memcalc.model.evaluate import estimate
-    from memcalc.model.knobs import Accounting
-    from memcalc.model.strategy import STRATEGIES
-
     def kept(c: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return [(x.tensor.name, x.shape) for x in estimate(c, STRATEGIES[name], Accounting(exact=True)).tensors]
 
@@ -215,7 +213,6 @@ def _check_balanced_pins(config: ModelConfig, names: list[str]) -> None:
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
     """--comm on a library's layer: the ledger must model its collectives and the route fix their bytes."""
     from memcalc.model.comm import layer_comm
-    from memcalc.model.strategy import STRATEGIES
 
     for name in names:
         layer_comm(config, STRATEGIES[name], 1)  # a ConfigError where the ledger does not model them
