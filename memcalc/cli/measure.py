@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -12,6 +13,8 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting
 from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
 from memcalc.model.strategy import STRATEGIES
@@ -109,6 +112,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     if layer is None:
         layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
     check_worst_route(config, route, [STRATEGIES[name] for name in names])
+    if route == "balanced" and config.moe_tokens != "balanced":
+        _check_balanced_pins(config, names)
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
@@ -187,6 +192,19 @@ def _strategy_json(m: StrategyMeasurement) -> dict:
 
 def _list(shape: tuple[int, ...] | None) -> list[int] | None:
     return None if shape is None else list(shape)
+
+
+def _check_balanced_pins(config: ModelConfig, names: list[str]) -> None:
+    """--route balanced makes the balanced bound's slots (the ledger's moe_tokens balanced, to the byte): another
+    bound is compared with it only where it counts the same (a capacity every expert fills, say), else refused."""
+    def kept(c: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(x.tensor.name, x.shape) for x in estimate(c, STRATEGIES[name], Accounting(exact=True)).tensors]
+
+    for name in names:
+        if kept(config, name) != kept(replace(config, moe_tokens="balanced"), name):
+            raise ConfigError(f"--route balanced makes the balanced bound's slots, which moe_tokens {config.moe_tokens}"
+                              f" does not count here ({name}: some expert below it); measure with --moe-tokens"
+                              " balanced")
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:

@@ -41,7 +41,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.evaluate import check_strategy, dim_sizes
+from memcalc.model.evaluate import check_strategy, dim_sizes, routers
 from memcalc.model.impls import implementation, plan
 from memcalc.model.impls.hf import resid_dropout, routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
@@ -291,7 +291,8 @@ def _experts(
     """megatron-core's MoELayer with the all-to-all dispatcher, experts over ep ranks and etp = t: its collectives.
 
     Forward, in megatron's order: the shared experts (a dense MLP's g and g*), the router's aux-loss
-    all-reduce of token counts over t, the dispatcher's gather of every rank's token counts over t*ep,
+    all-reduce of token counts over t, the dispatcher's gather of every rank's token counts over t*ep (none when
+    padded to capacity: its preprocess fills every count with the capacity and returns before the gather),
     the all-to-all over ep of this rank's permuted tokens and then of their probabilities, their gather
     over t (a g: etp = t), the reduce-scatter over t of the experts' output (a g*) and the combining
     all-to-all. Backward meets the routed path first (autograd runs the later-made nodes first), each
@@ -310,7 +311,7 @@ def _experts(
     a2a = [c for c in _all_to_alls(bound) if ep > 1]  # an expert-parallel group of one exchanges nothing
     routed = [
         *([_AUX_COUNTS] if tp and knobs.moe_aux_loss else []),
-        _COUNTS,
+        *([] if knobs.moe_pad_expert_input_to_capacity else [_COUNTS]),  # padded: every count is the capacity
         *[c for c in a2a if c.name == "moe/dispatch"],
         *(_tp_pair(bound) if tp else []),
         *[c for c in a2a if c.name == "moe/combine"],
@@ -467,7 +468,8 @@ def _sent(rows: tuple[tuple[Collective, int], ...]) -> int:
 def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> LayerComm:
     """Per-layer collectives and bytes, and the step's total on the pipeline stage with the most MoE layers."""
     check_strategy(config, strategy)
-    sizes, width = dim_sizes(config), DTYPE_BYTES[config.dtype]
+    check_even_parts(config, strategy)
+    sizes, width = dim_sizes(config, routers(config, strategy)), DTYPE_BYTES[config.dtype]  # r as the ledger's
     t = config.t if strategy.tensor_parallel else 1
 
     def rows(knobs: Any) -> tuple[tuple[Collective, int], ...]:
@@ -482,6 +484,20 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
     pipeline = microbatches * boundary if config.pp > 1 else 0
     per_step = microbatches * (moe_layers * _sent(layer) + dense_layers * _sent(dense)) + pipeline
     return LayerComm(strategy, layer, per_step, pipeline, dense, (moe_layers, dense_layers))
+
+
+def check_even_parts(config: ModelConfig, strategy: Strategy) -> None:
+    """Refuse, in one line, a balanced bound whose all-to-alls send uneven parts: a router's k*b*s/routers slots
+    that ep does not divide. The forced route deals them round the ep ranks, so a rank keeps one more than it sends
+    each other rank, and returns what it received unlike what it sent: not the even (ep-1)/ep share."""
+    if not config.moe or config.ep == 1 or config.moe_tokens != "balanced":
+        return
+    n = routers(config, strategy)
+    slots = config.moe_router_topk * (config.b * (config.s // config.cp) // n)
+    if slots % config.ep:
+        raise ConfigError(f"the communication ledger does not model a router's k*b*s/{n}={slots} slots that"
+                          f" ep={config.ep} does not divide under the balanced bound (its all-to-alls' parts are"
+                          " uneven): choose b*s so that ep divides them")
 
 
 def stage_layers(config: ModelConfig) -> tuple[int, int]:

@@ -15,8 +15,8 @@ from types import ModuleType
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.model.comm import layer_collectives
-from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
+from memcalc.model.comm import check_even_parts, layer_collectives
+from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate, routers
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.probe import require_torch, routing_fixed
 from memcalc.probe.collectives import CollectiveLog, CommRow, LoggedCollective, compare_collectives
@@ -404,9 +404,11 @@ def _compared(
 
 def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) -> bool:
     """Whether a library layer's collectives can be compared with the ledger: it models them (not latent
-    the allgather dispatcher's, not transformers' ep plan) and their bytes do not hang on the routing (`routing_fixed`)."""
+    the allgather dispatcher's, not transformers' ep plan, not uneven all-to-alls) and their bytes do not hang on the
+    routing (`routing_fixed`)."""
     try:
         layer_collectives(config, strategy, ep=config.ep)
+        check_even_parts(config, strategy)
     except ConfigError:
         return False
     return routing_fixed(config, route)
@@ -421,5 +423,5 @@ def _compared_comm(
     methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
     predicted = tuple(c for c in layer_collectives(config, strategy, methods, t, overlap.num_splits, config.ep)
                       if c.group.size(t, config.ep) > 1)
-    return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives,
-                               config.ep)
+    return compare_collectives(predicted, dim_sizes(config, routers(config, strategy)), t, DTYPE_BYTES[config.dtype],
+                               result.collectives, config.ep)

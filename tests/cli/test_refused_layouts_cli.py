@@ -119,3 +119,27 @@ def test_measure_runs_the_all_to_one_route_to_a_match_where_the_capacity_drops_n
     run = memcalc_cli(*ALL_TO_ONE, "--s", "8", "--moe-expert-capacity-factor", "3.6")
     assert run.code == 0, run.err
     assert "match: every tensor agrees to the byte" in run.out
+
+
+def test_measure_refuses_the_balanced_route_against_a_capacity_it_does_not_fill(tmp_path):
+    # found by a random-shape hunt: each of t=2 routers deals its k*b*s/t = 3 slots round E = 6 experts, where the
+    # capacity bound counts every expert of the ep = 2 ranks at ceil(c*k*b*s/(t*E)) = 1: measure said "differs"
+    fields = {"impl": "megatron", "add_bias_linear": False, "norm": "layernorm", "attention": "eager", "dropout": 0.0,
+              "num_experts": 6, "moe_router_topk": 1, "moe_router_score_function": "sigmoid", "ep": 2, "dp": 4,
+              "moe_expert_capacity_factor": 0.25,
+              "moe_tokens": "capacity", "L": 1, "b": 1, "s": 6, "a": 4, "h": 16, "t": 2, "ffn_hidden_size": 10,
+              "vocab_size": 22, "moe_ffn_hidden_size": 2}
+    config = tmp_path / "capacity.yaml"
+    config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in fields.items()))
+    run = memcalc_cli("measure", "--config", str(config), "--strategy", "tp-sp", "--route", "balanced")
+    one_line_error(run, "--route balanced makes the balanced bound's slots, which moe_tokens capacity does not count",
+                   "--moe-tokens balanced")
+
+
+def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_the_capacity_bound():
+    # found by a random-shape hunt: moe_tokens capacity counts every expert full, the route fills only its k experts
+    # (c=0.5, ep=4, t=4: permute_indices 24 B short of it)
+    run = memcalc_cli(*ALL_TO_ONE[:-4], "--moe-tokens", "capacity", "--route", "all-to-one", "--s", "8",
+                      "--moe-expert-capacity-factor", "0.5")
+    one_line_error(run, "--route all-to-one pins moe_tokens capacity only where no capacity caps it",
+                   "moe_pad_expert_input_to_capacity")

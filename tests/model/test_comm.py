@@ -139,13 +139,19 @@ def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
     assert text == "10sbh(t-1)/t + 8E(t*ep-1) + 8rh(ep-1)/(ep*t) + 4r(ep-1)/(ep*t) + 8rh(t-1)/t + 4r(t-1)/t"
 
 
-@pytest.mark.parametrize("knobs, message", [
-    ({"impl": "megatron"}, "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
-    ({"impl": "hf", "family": "mixtral", "ep": 2},
+@pytest.mark.parametrize("knobs, strategy, message", [
+    ({"impl": "megatron"}, TP,
+     "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
+    ({"impl": "hf", "family": "mixtral", "ep": 2}, NONE,
      "^impl hf: ep=2: transformers' expert-parallel plan \\(ep_dispatch_experts\\) is not"),
-], ids=["tp without sp", "transformers' expert-parallel plan"])
-def test_moe_collectives_megatron_does_not_run_or_memcalc_has_not_measured_are_refused_in_one_line(knobs, message):
-    strategy = TP if knobs["impl"] == "megatron" else NONE
+    ({"ep": 2, "b": 1, "s": 6, "moe_router_topk": 3, "t": 2}, TP_SP,
+     "^the communication ledger does not model a router's k\\*b\\*s/2=9 slots that ep=2 does not divide"),
+], ids=["tp without sp", "transformers' expert-parallel plan", "uneven all-to-alls"])
+def test_moe_collectives_megatron_does_not_run_or_memcalc_has_not_measured_are_refused_in_one_line(knobs, strategy,
+                                                                                                     message):
+    """Uneven all-to-alls: the forced balanced route deals a router's 9 slots round ep=2 ranks, so rank 0 sends 4
+    and returns 5 where the even share is 4.5 (found by a drawn measure at b=3, s=12, t=4, ep=4: 2,560 bytes sent,
+    2,592 in the ledger)."""
     with pytest.raises(ConfigError, match=message):
         layer_comm(build_config(MOE | knobs), strategy, 1)
 

@@ -1036,16 +1036,18 @@ def _pair(knobs: Any, p: Pair, colwise: tuple[str, ...], rowwise: str, gathered:
 
 
 def _with_head_norms(knobs: Any, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
-    """`rules` with q_norm after q_proj and k_norm after k_proj where the layer norms its heads: the plans that name
-    them (Qwen3's, Gemma 3's) replicate them with their weight's gradient all-reduced."""
+    """`rules` with q_norm and k_norm where the layer runs them, in forward order (backward meets their weight
+    gradients' all-reduces in reverse): after q_proj and k_proj (Qwen3's), or both after v_proj (Gemma 3's
+    Gemma3Attention projects all three first). The plans that name them replicate them, gradients all-reduced."""
     if not knobs.qk_layernorm:
         return rules
+    after = {"v_proj": "qk"} if layer_family(knobs).name == "gemma3_text" else {"q_proj": "q", "k_proj": "k"}
     planned = []
     for r in rules:
         planned.append(r)
         prefix, module = r.module.rsplit(".", 1)
-        if module in ("q_proj", "k_proj"):
-            planned.append(Rule(f"{prefix}.{module[0]}_norm", Style.REPLICATED_GRAD_ALLREDUCE, r.pair, moves=(Dim.D,)))
+        planned += [Rule(f"{prefix}.{x}_norm", Style.REPLICATED_GRAD_ALLREDUCE, r.pair, moves=(Dim.D,))
+                    for x in after.get(module, "")]
     return tuple(planned)
 
 

@@ -29,9 +29,9 @@ and so what the tape holds:
                     dim 0; the gradients it has cast into a flat reduce_dtype reduce-scatter buffer, freed, and
                     this rank's shard (fp32, the parameter's dtype) made; the buffer is kept until the next
                     reduce-scatter (FSDP2 waits for it there). Under HSDP (dp_replicate)
-                    the output is all-reduced across replicas in place, and under torchtitan, whose output
-                    is added into the sharded gradients, the unit holds it (AllReduceState) until its next
-                    post-backward or the end of backward. A unit of several modules
+                    the output is all-reduced across replicas in place, and the unit holds it, in
+                    reduce_dtype before any cast to fp32 (AllReduceState), until its next post-backward or
+                    the end of backward. A unit of several modules
                     (torchtitan's norm and lm_head) runs it once per module whose input gradient is ready,
                     each time for the gradients there are, and is gathered again in between
 
@@ -258,7 +258,7 @@ class Fsdp:
         (the weights' shards on one rank of t, tp on the mesh's other dimension)."""
         layers = tuple(hf_layer(config, t, i) for i in range(config.L))
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   (*layers, hf_root(config, t)), t > 1)
+                   (*layers, hf_root(config, t)), t > 1, replicas=config.dp_replicate or 1)
 
     def unit(self, block: str) -> Unit:
         return next(u for u in self.units if u.name == block)
@@ -431,14 +431,19 @@ class Fsdp:
         tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
         tape.live[rs] = tape.live[rs]._replace(category=GRADIENTS)  # filed as the reduce-scatter's input
         tape.mark("backward", where, f"the reduce-scatter of {block}'s gradients")
-        if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes
+        # HSDP: FSDP2 holds the all-reduce's input, the reduce_dtype output, to the end of backward (AllReduceState)
+        held_input = f"fsdp/{block} all-reduce"
+        if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes, or is held
             tape.add(f"{out} (fp32)", TEMPORARIES, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
             tape.mark("backward", where, f"{block}'s gradient shard cast to fp32")
-            tape.drop(out)
+            if self.replicas > 1:
+                tape.rename(out, held_input)
+            else:
+                tape.drop(out)
             tape.rename(f"{out} (fp32)", out)
         tape.drop(*held)
-        if self.accumulate and self.replicas > 1:  # HSDP: FSDP2 holds the all-reduce's input (AllReduceState)
-            tape.rename(out, f"fsdp/{block} all-reduce")
+        if self.accumulate and self.replicas > 1 and self.reduce == 4:  # the held input is the output itself
+            tape.rename(out, held_input)
         elif self.accumulate:  # added into the sharded gradients
             tape.drop(out)
         else:

@@ -268,6 +268,8 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
     front.backward(tuple(embedding))
     if sharding is not None:  # the final callback, inside backward(): the root's post-backward (no module active),
         sharding.post_backward(tape, ROOT, "")  # then the last reduce-scatter waited on
+    if isinstance(sharding, Fsdp):  # HSDP's all-reduce inputs let go
+        sharding.finalize_backward(tape)
     tape.drop(f"fsdp/{ROOT} reduce-scatter", GRAD_SEED)
 
 

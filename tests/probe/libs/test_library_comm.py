@@ -35,6 +35,9 @@ FAMILIES = {  # each family's layer (memcalc.model.families) with its knobs, and
     "olmo2: attention gathered, q, k, v each": {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True,
                                                 "qk_layernorm": True, "num_query_groups": 4},
     "glm: the mlp gathered": {"family": "glm", "rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 4},
+    "gemma3_text: q_norm and k_norm after v_proj, their all-reduces before its f": {
+        "family": "gemma3_text", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True, "qk_layernorm": True,
+        "attention": "eager", "num_query_groups": 4},
 }
 
 

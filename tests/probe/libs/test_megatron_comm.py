@@ -52,8 +52,10 @@ def test_megatrons_moe_layer_under_tp_sp_issues_the_ledgers_collectives_in_order
     assert any(r.name == "moe/dispatch" for r in rows) == (ep > 1)
 
 
-@pytest.mark.parametrize("knobs", [{"moe_aux_loss": True}, {"dtype": "fp32", "recompute": "full", "mlp": "swiglu"}],
-                         ids=["the aux loss's all-reduce of token counts", "fp32, full recomputation reruns them"])
+@pytest.mark.parametrize("knobs", [{"moe_aux_loss": True}, {"dtype": "fp32", "recompute": "full", "mlp": "swiglu"},
+                                   {"moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True}],
+                         ids=["the aux loss's all-reduce of token counts", "fp32, full recomputation reruns them",
+                              "padded to capacity: no gather of the token counts"])
 def test_megatrons_moe_layer_issues_the_router_and_recomputation_collectives_the_ledger_lists(knobs):
     rows = _rows("tp-sp", 2, knobs | {"ep": 2})
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
@@ -84,6 +86,28 @@ def test_measure_comm_shows_megatrons_moe_collectives_next_to_the_ledgers(tmp_pa
     assert run.code == 0, run.err
     dispatch = [line for line in run.out.splitlines() if "moe/dispatch" in line]
     assert len(dispatch) == 4 and "match: every tensor agrees to the byte" in run.out
+
+
+def test_measure_compares_only_the_saved_tensors_of_a_moe_layer_whose_all_to_alls_are_uneven():
+    """A router's k*b*s/t = 9 slots over ep = 2: the forced balanced route sends 4 away and returns 5, which the
+    ledger does not model (model.comm.check_even_parts); the saved tensors are still the ledger's."""
+    from memcalc.probe.measure import measure
+
+    config = build_config(SIZES | {"t": 2, "ep": 2, "b": 1, "s": 6, "moe_router_topk": 3})
+    (m,) = measure(config, ["tp-sp"], "cpu", None, "fake", 240, route="balanced")
+    assert m.comm == () and m.matches, m.differences()
+
+
+def test_measure_compares_the_collectives_of_each_routers_capacity_under_tp_sp():
+    """Padded to capacity each of the t routers keeps ceil(k*(b*s/t)/E * c) slots an expert (the ledger's r at
+    `routers` = t), not the capacity of all b*s tokens: 6 an expert, not 11 (found by a drawn measure: the gather
+    of 42 slots a rank read as 38.5)."""
+    from memcalc.probe.measure import measure
+
+    config = build_config(SIZES | {"t": 2, "b": 3, "s": 8, "h": 8, "a": 4, "num_experts": 7, "moe_ffn_hidden_size": 4,
+                                   "moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True})
+    (m,) = measure(config, ["tp-sp"], "cpu", None, "fake", 240, route="balanced")
+    assert m.comm and m.matches, m.differences()
 
 
 def test_measure_comm_refuses_a_moe_layer_whose_routing_the_ledger_does_not_fix_in_one_line(tmp_path):
