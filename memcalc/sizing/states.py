@@ -8,7 +8,9 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
+from math import lcm
 from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
@@ -31,11 +33,25 @@ def vocab_shard(config: ModelConfig, t: int) -> int:
     return -(-padded_vocab(config, t) // t)
 
 
-def _norm_params(config: ModelConfig, width: int | None = None) -> int:
-    """One norm over `width` channels (the hidden size unless given): OLMo's LayerNorm (layernorm_np) has no
-    parameters at all, RMSNorm no bias."""
+def _norm(config: ModelConfig, width: int | None = None) -> tuple[int, ...]:
+    """One norm's parameters over `width` channels (the hidden size unless given): LayerNorm's weight and bias, OLMo's
+    LayerNorm (layernorm_np) none at all, RMSNorm a weight."""
     width = config.h if width is None else width
-    return 2 * width if config.norm == "layernorm" else 0 if config.norm == "layernorm_np" else width
+    return (width, width) if config.norm == "layernorm" else () if config.norm == "layernorm_np" else (width,)
+
+
+def _norm_params(config: ModelConfig, width: int | None = None) -> int:
+    return sum(_norm(config, width))
+
+
+def _column(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
+    """A column-parallel linear's weight and bias on one rank of t: both split by t."""
+    return (fan_in * width // t, *((width // t,) if bias else ()))
+
+
+def _row(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
+    """A row-parallel linear's weight, split by t, and its bias, whole."""
+    return (fan_in * width // t, *((width,) if bias else ()))
 
 
 def _layer_norm_params(c: ModelConfig) -> int:
@@ -50,37 +66,48 @@ def _layer_norm_params(c: ModelConfig) -> int:
 
 
 def _qkv(c: ModelConfig, t: int) -> int:
-    if c.mla:
-        return _latent_qkv(c, t)
+    return sum(_latent(c, t)) if c.mla else sum(_linear_qkv(c, t))
+
+
+def _linear_qkv(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = (c.a + 2 * c.groups) * c.head_dim  # Q heads plus K and V groups, d (h/a unless set) channels each
-    return (c.h * width + (width if c.add_bias_linear or c.add_qkv_bias else 0)) // t
+    return _column(c.h, width, t, c.add_bias_linear or c.add_qkv_bias)
 
 
-def _latent_qkv(c: ModelConfig, t: int) -> int:
-    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases): q_down
-    (h -> r_q) and kv_down (h -> r_kv + d_r) column-parallel, split by t and their outputs gathered; q_up
-    (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without a query latent, and kv_up (r_kv -> a(d_n + d_v))
-    column-parallel; the latent norms whole. (Transformer Engine's spec duplicates the down projections instead.)"""
-    query_heads = c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-    kv = c.h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.a * (c.qk_nope_head_dim + c.v_head_dim)
-    if c.q_lora_rank is None:
-        return (c.h * query_heads + kv) // t + _norm_params(c, c.kv_lora_rank)
-    query = c.h * c.q_lora_rank + c.q_lora_rank * query_heads
-    return (query + kv) // t + _norm_params(c, c.q_lora_rank) + _norm_params(c, c.kv_lora_rank)
+def _latent(c: ModelConfig, t: int) -> tuple[int, ...]:
+    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases), its parameters
+    in registration order: q_down (h -> r_q) then q_up (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without
+    a query latent; kv_down (h -> r_kv + d_r) and kv_up (r_kv -> a(d_n + d_v)), all column-parallel (the down
+    projections' outputs gathered); the latent norms whole. (Transformer Engine's spec duplicates the down
+    projections instead.)"""
+    r_q, r_kv, query_heads = c.q_lora_rank, c.kv_lora_rank, c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    query = _column(c.h, query_heads, t, False) if r_q is None else (
+        *_column(c.h, r_q, t, False), *_column(r_q, query_heads, t, False))
+    kv = (*_column(c.h, r_kv + c.qk_rope_head_dim, t, False),
+          *_column(r_kv, c.a * (c.qk_nope_head_dim + c.v_head_dim), t, False))
+    return (*query, *kv, *(_norm(c, r_q) if r_q is not None else ()), *_norm(c, r_kv))
 
 
-def _proj(c: ModelConfig, t: int) -> int:
+def _linear_proj(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = c.a * (c.v_head_dim if c.mla else c.head_dim)  # a heads of d (latent attention: of d_v)
-    return width * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
+    return _row(width, c.h, t, c.add_bias_linear)
+
+
+def _linear_fc1(c: ModelConfig, t: int) -> tuple[int, ...]:
+    width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
+    return _column(c.h, width, t, c.add_bias_linear)
+
+
+def _linear_fc2(c: ModelConfig, t: int) -> tuple[int, ...]:
+    return _row(c.ffn, c.h, t, c.add_bias_linear)
 
 
 def _fc1(c: ModelConfig, t: int) -> int:
-    width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
-    return (c.h * width + (width if c.add_bias_linear else 0)) // t
+    return sum(_linear_fc1(c, t))
 
 
 def _fc2(c: ModelConfig, t: int) -> int:
-    return c.ffn * c.h // t + (c.h if c.add_bias_linear else 0)
+    return sum(_linear_fc2(c, t))
 
 
 def _experts(c: ModelConfig, t: int) -> int:
@@ -123,7 +150,8 @@ class ParamGroup:
 PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"
                " (latent attention: the down and up projections split by t, the latent norms whole)"),
-    ParamGroup("attention/proj", "layer", _proj, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("attention/proj", "layer", lambda c, t: sum(_linear_proj(c, t)),
+               "row-parallel: the weight is split by t, its bias is whole"),
     ParamGroup("attention/sinks", "layer", lambda c, t: c.a // t if c.attention_sinks else 0,
                "gpt-oss's learned sink logit, one a head: each rank its heads'"),
     ParamGroup("mlp/fc1", "dense", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
@@ -222,6 +250,71 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
             "last": int(stage.has_output)}
     return {g.name: held[g.where] * g.count(config, t) if held[g.where] else 0 for g in PARAM_GROUPS
             if g.where != "moe" or config.moe}
+
+
+def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> list[tuple[list[int], int | None]]:
+    """Each model chunk of a stage (vpp of them, else one) as megatron-core's GPTModel on the local spec registers its
+    parameters on one rank of t: the embedding's word and position tables, each TransformerLayer's input_layernorm,
+    linear_proj, linear_qkv, q and k layernorms (latent attention: `_latent`'s), pre_mlp_layernorm, linear_fc1 and
+    linear_fc2 (weight, then bias),
+    the final layernorm and the output layer; each parameter's elements, and which one is a tied embedding that
+    pipelining gives its own bucket (`shared_embedding`: on the first stage's first chunk and the last stage's last)."""
+    c, chunks = config, config.vpp or 1
+    attention = _latent(c, t) if c.mla else (*_linear_qkv(c, t), *(_norm(c, c.head_dim) * 2 if c.qk_layernorm else ()))
+    layer = [*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *_linear_fc1(c, t), *_linear_fc2(c, t)]
+    first = [vocab_shard(c, t) * c.h, *([c.positions * c.h] if c.position_embedding_type == "learned_absolute" else [])]
+    last = [*_norm(c), *([_output(c, t)] if _output(c, t) else [])]
+    tied = c.tie_embeddings and c.pp > 1
+    out = [(layer * (stage.layers // chunks), None) for _ in range(chunks)]
+    if stage.has_embedding:
+        out[0] = (first + out[0][0], 0 if tied else None)
+    if stage.has_output:
+        out[-1] = (out[-1][0] + last, len(out[-1][0]) + len(last) - 1 if tied else None)
+    return out
+
+
+def megatron_buffers(chunks: list[tuple[list[int], int | None]], ranks: int) -> tuple[int, int]:
+    """Elements of the chunks' _ParamAndGradBuffers under the distributed optimizer (param_and_grad_buffer.py), and
+    the most parameter elements one of the `ranks` shards of them holds (its fp32 main parameters and Adam moments):
+    each bucket is cut into `ranks` equal shards (distrib_optimizer.py), and a shard holds its share less the padding
+    in it."""
+    numel, holds, padding = 0, 0, [0] * ranks
+    for sizes, shared in chunks:
+        buckets, gaps = _layout(sizes, shared, lcm(ranks, 128))
+        numel += buckets[-1][1]
+        holds += sum(last - first for first, last in buckets) // ranks
+        starts = [first for first, _ in buckets]
+        for a, b in gaps:
+            first, last = buckets[bisect_right(starts, a) - 1]
+            share = (last - first) // ranks
+            for r in range((a - first) // share, (b - 1 - first) // share + 1):
+                padding[r] += min(b, first + (r + 1) * share) - max(a, first + r * share)
+    return numel, holds - min(padding)
+
+
+def _layout(sizes: list[int], shared: int | None, divisor: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """One chunk's buckets (start, end) and the padding between its parameters (start, end), as _ParamAndGradBuffer
+    lays them out: in reverse, each parameter starting at a multiple of 64 elements, one bucket (bucket_size is None
+    without overlap_grad_reduce) but the shared embedding's own, each padded to a multiple of `divisor`."""
+    buckets: list[tuple[int, int]] = []
+    gaps, start, end = [], 0, 0
+
+    def close(at: int) -> int:
+        buckets.append((start, -(-at // divisor) * divisor))
+        return buckets[-1][1]
+
+    for i in reversed(range(len(sizes))):
+        begin = -(-end // 64) * 64
+        if i == shared and end > start:
+            begin = start = close(begin)
+        gaps.append((end, begin))
+        end = begin + sizes[i]
+        if i == shared:
+            gaps.append((end, close(end)))
+            end = start = buckets[-1][1]
+    if end > start:
+        gaps.append((end, close(end)))
+    return buckets, [(a, b) for a, b in gaps if a < b]
 
 
 def expert_params(params: dict[str, int]) -> int:
@@ -339,9 +432,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
     ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp.
     ZeRO-1/2 pads each of the Trainer's two groups (`no_decay` parameters in the one without weight decay) as
-    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2 and ZeRO-3 shard each
-    parameter apart: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the elements of this rank's
-    padded shards, and of the weights ZeRO-3 keeps whole beside them."""
+    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2, ZeRO-3 and Megatron's
+    distributed optimizer pad each parameter: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the
+    elements of this rank's padded shards, and of what every rank holds whole: the weights ZeRO-3 keeps beside them,
+    Megatron's padded buffers (its weights and gradients, the states no sharding splits)."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     padded = c.zero_stage in (1, 2)
@@ -349,9 +443,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
         width, shards = term.width(c), term.split.ranks(c)
-        if width and per_parameter:  # every state of FSDP2 and ZeRO-3 is sharded
+        if width and per_parameter:
             shard, whole = per_parameter
-            out[term.name] = width * (shard + (whole if term.name == "states/weights" else 0))
+            kept = term.split is WHOLE or term.name == "states/weights"
+            out[term.name] = width * ((0 if term.split is WHOLE else shard) + (whole if kept else 0))
         elif width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
             out[term.name] = width * part * (c.dp // shards)  # the flat buffers whole, or this rank's partitions
         elif width:
