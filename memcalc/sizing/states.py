@@ -110,23 +110,26 @@ def _fc2(c: ModelConfig, t: int) -> int:
     return sum(_linear_fc2(c, t))
 
 
-def _experts(c: ModelConfig, t: int) -> int:
-    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
+def _expert(c: ModelConfig, t: int) -> tuple[int, ...]:
+    """One of the E/ep experts a rank holds: an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
     where split at all; gpt-oss's carry biases whatever attention_bias says: GptOssExperts always has them)."""
     expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
-    etp = t if expert_tp(c) > 1 else 1
-    return c.num_experts // c.ep * (_fc1(expert, etp) + _fc2(expert, etp))
+    return (*_linear_fc1(expert, _etp(c, t)), *_linear_fc2(expert, _etp(c, t)))
 
 
-def _shared(c: ModelConfig, t: int) -> int:
+def _etp(c: ModelConfig, t: int) -> int:
+    return t if expert_tp(c) > 1 else 1
+
+
+def _shared(c: ModelConfig, t: int) -> tuple[int, ...]:
     """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
     linear h -> 1 (whole; DeepSeek-V3's DeepseekV3MLP has no gate), and its tp plan names neither: whole on every
     rank."""
     if not c.moe_shared_expert_intermediate_size:
-        return 0
+        return ()
     shared, hf = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size), c.impl == "hf"
     split = 1 if hf else t
-    return _fc1(shared, split) + _fc2(shared, split) + (c.h if hf and not c.mla else 0)
+    return (*_linear_fc1(shared, split), *_linear_fc2(shared, split), *((c.h,) if hf and not c.mla else ()))
 
 
 def _output(c: ModelConfig, t: int) -> int:
@@ -159,10 +162,11 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
                "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
                " bias an expert)"),
-    ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at"
-               " ep > 1: whole)", expert=True),
-    ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
-               " MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it not, with an h -> 1 gate)"),
+    ParamGroup("moe/experts", "moe", lambda c, t: c.num_experts // c.ep * sum(_expert(c, t)),
+               "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at ep > 1: whole)", expert=True),
+    ParamGroup("moe/shared_experts", "moe", lambda c, t: sum(_shared(c, t)), "one MLP of width u on every token,"
+               " split by t as the dense MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it"
+               " not, with an h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
         "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
@@ -252,32 +256,68 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
             if g.where != "moe" or config.moe}
 
 
-def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> list[tuple[list[int], int | None]]:
+Chunk = tuple[list[int], "int | None"]  # a model chunk's parameters' elements in registration order; the shared one
+
+
+def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chunk], list[Chunk]]:
     """Each model chunk of a stage (vpp of them, else one) as megatron-core's GPTModel on the local spec registers its
-    parameters on one rank of t: the embedding's word and position tables, each TransformerLayer's input_layernorm,
-    linear_proj, linear_qkv, q and k layernorms (latent attention: `_latent`'s), pre_mlp_layernorm, linear_fc1 and
-    linear_fc2 (weight, then bias),
-    the final layernorm and the output layer; each parameter's elements, and which one is a tied embedding that
-    pipelining gives its own bucket (`shared_embedding`: on the first stage's first chunk and the last stage's last)."""
-    c, chunks = config, config.vpp or 1
+    parameters on one rank of t, its dense buffer's and its experts' (`allreduce` False: a buffer of their own): the
+    embedding's word and position tables, each TransformerLayer's input_layernorm, linear_proj, linear_qkv, q and k
+    layernorms (latent attention: `_latent`'s), pre_mlp_layernorm, linear_fc1 and linear_fc2 (weight, then bias) or
+    a MoELayer's router, shared experts and (the other buffer) SequentialMLP's experts, the final layernorm and the
+    output layer; each parameter's elements, and which one is a tied embedding that pipelining gives its own bucket
+    (`shared_embedding`: on the first stage's first chunk and the last stage's last). A chunk's layer i is a MoE one
+    as the model's layer i is (check_expert_states: every chunk holds the same pattern)."""
+    c, chunks, layers = config, config.vpp or 1, range(stage.layers // (config.vpp or 1))
     attention = _latent(c, t) if c.mla else (*_linear_qkv(c, t), *(_norm(c, c.head_dim) * 2 if c.qk_layernorm else ()))
-    layer = [*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *_linear_fc1(c, t), *_linear_fc2(c, t)]
+    experts = _expert(c, t) * (c.num_experts // c.ep) if c.moe else ()
+    apart = c.ep > 1  # megatron's linears mark expert weights `allreduce` False only under expert parallelism
+    mlp = {False: (*_linear_fc1(c, t), *_linear_fc2(c, t)),
+           True: (c.num_experts * c.h, *(() if apart else experts), *_shared(c, t)) if c.moe else ()}
+    kinds = {moe: _merged((*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *mlp[moe])) for moe in mlp}
+    layer = [x for i in layers for x in kinds[c.is_moe_layer(i)]]
     first = [vocab_shard(c, t) * c.h, *([c.positions * c.h] if c.position_embedding_type == "learned_absolute" else [])]
     last = [*_norm(c), *([_output(c, t)] if _output(c, t) else [])]
     tied = c.tie_embeddings and c.pp > 1
-    out = [(layer * (stage.layers // chunks), None) for _ in range(chunks)]
+    dense: list[Chunk] = [(layer, None) for _ in range(chunks)]
     if stage.has_embedding:
-        out[0] = (first + out[0][0], 0 if tied else None)
+        dense[0] = (first + dense[0][0], 0 if tied else None)
     if stage.has_output:
-        out[-1] = (out[-1][0] + last, len(out[-1][0]) + len(last) - 1 if tied else None)
+        dense[-1] = (dense[-1][0] + last, len(dense[-1][0]) + len(last) - 1 if tied else None)
+    own = _merged(experts) if apart else []
+    expert = [x for i in layers if c.is_moe_layer(i) for x in own]
+    return dense, [(expert, None) for _ in range(chunks)] if expert else []
+
+
+def _merged(sizes: Iterable[int]) -> list[int]:
+    """`sizes` (in registration order) with each of a multiple of 64 elements folded into the one before it: laid out
+    just before it, it leaves no padding, so the buckets and the padding come out the same, in fewer steps (a MoE
+    layer's hundreds of experts)."""
+    out: list[int] = []
+    for n in sizes:
+        if out and n % 64 == 0:
+            out[-1] += n
+        else:
+            out.append(n)
     return out
 
 
-def megatron_buffers(chunks: list[tuple[list[int], int | None]], ranks: int) -> tuple[int, int]:
+def megatron_buffers(config: ModelConfig, t: int, dense: list[Chunk], experts: list[Chunk]) -> tuple[int, int]:
     """Elements of the chunks' _ParamAndGradBuffers under the distributed optimizer (param_and_grad_buffer.py), and
-    the most parameter elements one of the `ranks` shards of them holds (its fp32 main parameters and Adam moments):
-    each bucket is cut into `ranks` equal shards (distrib_optimizer.py), and a shard holds its share less the padding
-    in it."""
+    the most parameter elements one rank's shards of them hold (its fp32 main parameters and Adam moments): each
+    bucket is cut into equal shards (distrib_optimizer.py), the dense ones over dp*cp ranks, the experts' over the
+    expert data-parallel group's, and a shard holds its share less the padding in it. A rank of the stage's t*cp*dp
+    (parallel_state's order tp-cp-ep-dp-pp) holds dense shard r // t and expert shard r // (etp*ep)."""
+    c, etp_ep = config, _etp(config, t) * config.ep
+    numel, fill = _filled(dense, c.dp * c.cp)
+    if not experts:
+        return numel, max(fill)
+    expert_numel, expert_fill = _filled(experts, t * c.cp * c.dp // etp_ep)
+    return numel + expert_numel, max(fill[r // t] + expert_fill[r // etp_ep] for r in range(t * c.cp * c.dp))
+
+
+def _filled(chunks: list[Chunk], ranks: int) -> tuple[int, list[int]]:
+    """The chunks' buffers' elements, and the parameter elements each of their `ranks` shards holds."""
     numel, holds, padding = 0, 0, [0] * ranks
     for sizes, shared in chunks:
         buckets, gaps = _layout(sizes, shared, lcm(ranks, 128))
@@ -289,7 +329,7 @@ def megatron_buffers(chunks: list[tuple[list[int], int | None]], ranks: int) -> 
             share = (last - first) // ranks
             for r in range((a - first) // share, (b - 1 - first) // share + 1):
                 padding[r] += min(b, first + (r + 1) * share) - max(a, first + r * share)
-    return numel, holds - min(padding)
+    return numel, [holds - x for x in padding]
 
 
 def _layout(sizes: list[int], shared: int | None, divisor: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

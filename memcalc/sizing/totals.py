@@ -20,7 +20,7 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    DISTRIBUTED_OPTIMIZER, FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, megatron_buffers,
+    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, megatron_buffers,
     megatron_chunks, moe_layers_held, no_decay_params, padded_vocab, router_buffer_bytes, state_bytes,
     zero3_largest_layer,
 )
@@ -147,15 +147,15 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
     shards (the fullest rank's) and of those kept whole (Megatron's: the buffers), summed over the step walk's
     inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's; states.megatron_chunks), each on
     one rank of t; None for a stack that shards a flat buffer unpadded, or where that inventory is not these `params`
-    (a pipeline stage, a model the walk does not lay out; Megatron's experts)."""
+    (a pipeline stage, a model the walk does not lay out)."""
     from memcalc.sizing.timeline.fsdp import Fsdp, fuses_modules  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
-    if c.distributed_optimizer and not c.moe:
-        chunks = megatron_chunks(c, stage, t)
-        whole, shard = megatron_buffers(chunks, DISTRIBUTED_OPTIMIZER.ranks(c))
-        return (shard, whole) if sum(sum(x) for x, _ in chunks) == params else None
+    if c.distributed_optimizer:
+        dense, experts = megatron_chunks(c, stage, t)
+        whole, shard = megatron_buffers(c, t, dense, experts)
+        return (shard, whole) if sum(sum(x) for x, _ in dense + experts) == params else None
     if c.impl == "hf" and fuses_modules(c):  # as many parameters as Llama's layer, in other shapes
         return None
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
