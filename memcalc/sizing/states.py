@@ -40,10 +40,6 @@ def _norm(config: ModelConfig, width: int | None = None) -> tuple[int, ...]:
     return (width, width) if config.norm == "layernorm" else () if config.norm == "layernorm_np" else (width,)
 
 
-def _norm_params(config: ModelConfig, width: int | None = None) -> int:
-    return sum(_norm(config, width))
-
-
 def _column(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
     """A column-parallel linear's weight and bias on one rank of t: both split by t."""
     return (fan_in * width // t, *((width // t,) if bias else ()))
@@ -58,11 +54,11 @@ def _layer_norm_params(c: ModelConfig) -> int:
     """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
     Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
     row a head, or OLMo 2's over q_proj's and k_proj's whole outputs (post_norm)."""
-    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * _norm_params(c)  # sandwich: on both outputs too
+    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * sum(_norm(c))  # sandwich: on both outputs too
     if not c.qk_layernorm:
         return norms
     heads = c.a + c.groups if c.norm == "layernorm_nb" or c.post_norm else 2
-    return norms + heads * _norm_params(c, c.head_dim)
+    return norms + heads * sum(_norm(c, c.head_dim))
 
 
 def _qkv(c: ModelConfig, t: int) -> int:
@@ -100,14 +96,6 @@ def _linear_fc1(c: ModelConfig, t: int) -> tuple[int, ...]:
 
 def _linear_fc2(c: ModelConfig, t: int) -> tuple[int, ...]:
     return _row(c.ffn, c.h, t, c.add_bias_linear)
-
-
-def _fc1(c: ModelConfig, t: int) -> int:
-    return sum(_linear_fc1(c, t))
-
-
-def _fc2(c: ModelConfig, t: int) -> int:
-    return sum(_linear_fc2(c, t))
 
 
 def _expert(c: ModelConfig, t: int) -> tuple[int, ...]:
@@ -157,8 +145,10 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
                "row-parallel: the weight is split by t, its bias is whole"),
     ParamGroup("attention/sinks", "layer", lambda c, t: c.a // t if c.attention_sinks else 0,
                "gpt-oss's learned sink logit, one a head: each rank its heads'"),
-    ParamGroup("mlp/fc1", "dense", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
-    ParamGroup("mlp/fc2", "dense", _fc2, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("mlp/fc1", "dense", lambda c, t: sum(_linear_fc1(c, t)),
+               "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
+    ParamGroup("mlp/fc2", "dense", lambda c, t: sum(_linear_fc2(c, t)),
+               "row-parallel: the weight is split by t, its bias is whole"),
     ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
                "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
                " bias an expert)"),
@@ -184,7 +174,7 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         lambda c, t: c.positions * c.h if c.position_embedding_type == "learned_absolute" else 0,
         "a learned table (one row per position) is whole on every rank; RoPE has no weights",
     ),
-    ParamGroup("final_norm", "last", lambda c, t: _norm_params(c), "the norm before the output layer, whole"),
+    ParamGroup("final_norm", "last", lambda c, t: sum(_norm(c)), "the norm before the output layer, whole"),
     ParamGroup(
         "output/weight", "last", _output,
         "vocabulary-parallel; tied to the embedding it costs nothing with one stage, but pipelining keeps a copy"
@@ -256,7 +246,7 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
             if g.where != "moe" or config.moe}
 
 
-Chunk = tuple[list[int], "int | None"]  # a model chunk's parameters' elements in registration order; the shared one
+Chunk = tuple[list[int], int | None]  # a model chunk's parameters' elements in registration order; the shared one
 
 
 def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chunk], list[Chunk]]:
