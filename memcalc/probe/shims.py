@@ -39,6 +39,7 @@ class Shim:
     cuda_step: bool = False  # only where `measure --step --device cuda` runs the CPU as CUDA runs
     pp_step: bool = False  # only where `measure --step` runs a pipeline stage (pp > 1)
     zero_step: bool = False  # only where `measure --step` runs DeepSpeed's ZeRO engine (--zero-stage)
+    buffers: bool = False  # only where the probe builds megatron's DistributedDataParallel (megatron_ddp)
 
     def note(self) -> str:
         """The line `memcalc measure` prints under the table (after "shim: ")."""
@@ -97,6 +98,10 @@ SHIMS: tuple[Shim, ...] = (
          "--route: the router's logits lead on known experts; softmax and top-k run as written",
          "the tokens each expert receives, which the data decides, become known, so bytes can be exact",
          Kind.KNOB, route=True),
+    Shim("megatron", "LanguageModule._is_in_embd_group (DistributedDataParallel's buffers)",
+         "a pipeline stage's tied embedding is not all-reduced with the other end's at build",
+         "it moves the weight to 'cuda' to copy values in place: the buffers' layout is the same", Kind.RUNS,
+         buffers=True),
     # -- torchtitan 0.3.0 (memcalc.probe.libs.torchtitan_shim, torchtitan.py) --
     Shim("torchtitan", "sys.modules torchtitan.distributed.minimal_async_ep.kernels",
          "without triton, the EP dispatchers' triton kernels are stubbed (no block measured here calls them)",
@@ -180,7 +185,7 @@ def notes(library: str, cuda_step: bool = False, pp_step: bool = False, zero_ste
     prints with their route; with `cuda_step`, those `measure --step --device cuda` adds; with `pp_step`, those a
     pipeline stage's `measure --step` adds; with `zero_step`, those a ZeRO step's adds."""
     return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step
-                 and s.pp_step == pp_step and s.zero_step == zero_step)
+                 and s.pp_step == pp_step and s.zero_step == zero_step and not s.buffers)
 
 
 @contextmanager

@@ -8,8 +8,9 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
-from math import prod
+from math import lcm, prod
 from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
@@ -38,73 +39,89 @@ def norm_shapes(config: ModelConfig, shape: tuple[int, ...]) -> tuple[tuple[int,
     return () if config.norm == "layernorm_np" else (shape, shape) if config.norm == "layernorm" else (shape,)
 
 
-def _norm_params(config: ModelConfig, width: int | None = None) -> int:
-    """One norm over `width` channels (the hidden size unless given)."""
-    return sum(map(prod, norm_shapes(config, (config.h if width is None else width,))))
+def _norm(config: ModelConfig, width: int | None = None) -> tuple[int, ...]:
+    """One norm's parameters over `width` channels (the hidden size unless given), each one's elements."""
+    return tuple(map(prod, norm_shapes(config, (config.h if width is None else width,))))
+
+
+def _column(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
+    """A column-parallel linear's weight and bias on one rank of t: both split by t."""
+    return (fan_in * width // t, *((width // t,) if bias else ()))
+
+
+def _row(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
+    """A row-parallel linear's weight, split by t, and its bias, whole."""
+    return (fan_in * width // t, *((width,) if bias else ()))
 
 
 def _layer_norm_params(c: ModelConfig) -> int:
     """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
     Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
     row a head, or OLMo 2's over q_proj's and k_proj's whole outputs (post_norm)."""
-    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * _norm_params(c)  # sandwich: on both outputs too
+    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * sum(_norm(c))  # sandwich: on both outputs too
     if not c.qk_layernorm:
         return norms
     heads = c.a + c.groups if c.norm == "layernorm_nb" or c.post_norm else 2
-    return norms + heads * _norm_params(c, c.head_dim)
+    return norms + heads * sum(_norm(c, c.head_dim))
 
 
 def _qkv(c: ModelConfig, t: int) -> int:
-    if c.mla:
-        return _latent_qkv(c, t)
+    return sum(_latent(c, t)) if c.mla else sum(_linear_qkv(c, t))
+
+
+def _linear_qkv(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = (c.a + 2 * c.groups) * c.head_dim  # Q heads plus K and V groups, d (h/a unless set) channels each
-    return (c.h * width + (width if c.add_bias_linear or c.add_qkv_bias else 0)) // t
+    return _column(c.h, width, t, c.add_bias_linear or c.add_qkv_bias)
 
 
-def _latent_qkv(c: ModelConfig, t: int) -> int:
-    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases): q_down
-    (h -> r_q) and kv_down (h -> r_kv + d_r) column-parallel, split by t and their outputs gathered; q_up
-    (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without a query latent, and kv_up (r_kv -> a(d_n + d_v))
-    column-parallel; the latent norms whole. (Transformer Engine's spec duplicates the down projections instead.)"""
-    query_heads = c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-    kv = c.h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.a * (c.qk_nope_head_dim + c.v_head_dim)
-    if c.q_lora_rank is None:
-        return (c.h * query_heads + kv) // t + _norm_params(c, c.kv_lora_rank)
-    query = c.h * c.q_lora_rank + c.q_lora_rank * query_heads
-    return (query + kv) // t + _norm_params(c, c.q_lora_rank) + _norm_params(c, c.kv_lora_rank)
+def _latent(c: ModelConfig, t: int) -> tuple[int, ...]:
+    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases), its parameters
+    in registration order: q_down (h -> r_q) then q_up (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without
+    a query latent; kv_down (h -> r_kv + d_r) and kv_up (r_kv -> a(d_n + d_v)), all column-parallel (the down
+    projections' outputs gathered); the latent norms whole. (Transformer Engine's spec duplicates the down
+    projections instead.)"""
+    r_q, r_kv, query_heads = c.q_lora_rank, c.kv_lora_rank, c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    query = _column(c.h, query_heads, t, False) if r_q is None else (
+        *_column(c.h, r_q, t, False), *_column(r_q, query_heads, t, False))
+    kv = (*_column(c.h, r_kv + c.qk_rope_head_dim, t, False),
+          *_column(r_kv, c.a * (c.qk_nope_head_dim + c.v_head_dim), t, False))
+    return (*query, *kv, *(_norm(c, r_q) if r_q is not None else ()), *_norm(c, r_kv))
 
 
-def _proj(c: ModelConfig, t: int) -> int:
+def _linear_proj(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = c.a * (c.v_head_dim if c.mla else c.head_dim)  # a heads of d (latent attention: of d_v)
-    return width * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
+    return _row(width, c.h, t, c.add_bias_linear)
 
 
-def _fc1(c: ModelConfig, t: int) -> int:
+def _linear_fc1(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
-    return (c.h * width + (width if c.add_bias_linear else 0)) // t
+    return _column(c.h, width, t, c.add_bias_linear)
 
 
-def _fc2(c: ModelConfig, t: int) -> int:
-    return c.ffn * c.h // t + (c.h if c.add_bias_linear else 0)
+def _linear_fc2(c: ModelConfig, t: int) -> tuple[int, ...]:
+    return _row(c.ffn, c.h, t, c.add_bias_linear)
 
 
-def _experts(c: ModelConfig, t: int) -> int:
-    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
+def _expert(c: ModelConfig, t: int) -> tuple[int, ...]:
+    """One of the E/ep experts a rank holds: an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
     where split at all; gpt-oss's carry biases whatever attention_bias says: GptOssExperts always has them)."""
     expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
-    etp = t if expert_tp(c) > 1 else 1
-    return c.num_experts // c.ep * (_fc1(expert, etp) + _fc2(expert, etp))
+    return (*_linear_fc1(expert, _etp(c, t)), *_linear_fc2(expert, _etp(c, t)))
 
 
-def _shared(c: ModelConfig, t: int) -> int:
+def _etp(c: ModelConfig, t: int) -> int:
+    return t if expert_tp(c) > 1 else 1
+
+
+def _shared(c: ModelConfig, t: int) -> tuple[int, ...]:
     """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
     linear h -> 1 (whole; DeepSeek-V3's DeepseekV3MLP has no gate), and its tp plan names neither: whole on every
     rank."""
     if not c.moe_shared_expert_intermediate_size:
-        return 0
+        return ()
     shared, hf = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size), c.impl == "hf"
     split = 1 if hf else t
-    return _fc1(shared, split) + _fc2(shared, split) + (c.h if hf and not c.mla else 0)
+    return (*_linear_fc1(shared, split), *_linear_fc2(shared, split), *((c.h,) if hf and not c.mla else ()))
 
 
 def _output(c: ModelConfig, t: int) -> int:
@@ -128,18 +145,22 @@ class ParamGroup:
 PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"
                " (latent attention: the down and up projections split by t, the latent norms whole)"),
-    ParamGroup("attention/proj", "layer", _proj, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("attention/proj", "layer", lambda c, t: sum(_linear_proj(c, t)),
+               "row-parallel: the weight is split by t, its bias is whole"),
     ParamGroup("attention/sinks", "layer", lambda c, t: c.a // t if c.attention_sinks else 0,
                "gpt-oss's learned sink logit, one a head: each rank its heads'"),
-    ParamGroup("mlp/fc1", "dense", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
-    ParamGroup("mlp/fc2", "dense", _fc2, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("mlp/fc1", "dense", lambda c, t: sum(_linear_fc1(c, t)),
+               "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
+    ParamGroup("mlp/fc2", "dense", lambda c, t: sum(_linear_fc2(c, t)),
+               "row-parallel: the weight is split by t, its bias is whole"),
     ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
                "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
                " bias an expert)"),
-    ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at"
-               " ep > 1: whole)", expert=True),
-    ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
-               " MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it not, with an h -> 1 gate)"),
+    ParamGroup("moe/experts", "moe", lambda c, t: c.num_experts // c.ep * sum(_expert(c, t)),
+               "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at ep > 1: whole)", expert=True),
+    ParamGroup("moe/shared_experts", "moe", lambda c, t: sum(_shared(c, t)), "one MLP of width u on every token,"
+               " split by t as the dense MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it"
+               " not, with an h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
         "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
@@ -157,7 +178,7 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         lambda c, t: c.positions * c.h if c.position_embedding_type == "learned_absolute" else 0,
         "a learned table (one row per position) is whole on every rank; RoPE has no weights",
     ),
-    ParamGroup("final_norm", "last", lambda c, t: _norm_params(c), "the norm before the output layer, whole"),
+    ParamGroup("final_norm", "last", lambda c, t: sum(_norm(c)), "the norm before the output layer, whole"),
     ParamGroup(
         "output/weight", "last", _output,
         "vocabulary-parallel; tied to the embedding it costs nothing with one stage, but pipelining keeps a copy"
@@ -228,6 +249,107 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
             "last": int(stage.has_output)}
     return {g.name: held[g.where] * g.count(config, t) if held[g.where] else 0 for g in PARAM_GROUPS
             if g.where != "moe" or config.moe}
+
+
+Chunk = tuple[list[int], int | None]  # a model chunk's parameters' elements in registration order; the shared one
+
+
+def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chunk], list[Chunk]]:
+    """Each model chunk of a stage (vpp of them, else one) as megatron-core's GPTModel on the local spec registers its
+    parameters on one rank of t, its dense buffer's and its experts' (`allreduce` False: a buffer of their own): the
+    embedding's word and position tables, each TransformerLayer's input_layernorm, linear_proj, linear_qkv, q and k
+    layernorms (latent attention: `_latent`'s), pre_mlp_layernorm, linear_fc1 and linear_fc2 (weight, then bias) or
+    a MoELayer's router, shared experts and (the other buffer) SequentialMLP's experts, the final layernorm and the
+    output layer; each parameter's elements, and which one is a tied embedding that pipelining gives its own bucket
+    (`shared_embedding`: on the first stage's first chunk and the last stage's last). A chunk's layer i is a MoE one
+    as the model's layer i is (check_expert_states: every chunk holds the same pattern)."""
+    c, chunks, layers = config, config.vpp or 1, range(stage.layers // (config.vpp or 1))
+    attention = _latent(c, t) if c.mla else (*_linear_qkv(c, t), *(_norm(c, c.head_dim) * 2 if c.qk_layernorm else ()))
+    experts = _expert(c, t) * (c.num_experts // c.ep) if c.moe else ()
+    apart = c.ep > 1  # megatron's linears mark expert weights `allreduce` False only under expert parallelism
+    mlp = {False: (*_linear_fc1(c, t), *_linear_fc2(c, t)),
+           True: (c.num_experts * c.h, *(() if apart else experts), *_shared(c, t)) if c.moe else ()}
+    kinds = {moe: _merged((*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *mlp[moe])) for moe in mlp}
+    layer = [x for i in layers for x in kinds[c.is_moe_layer(i)]]
+    first = [vocab_shard(c, t) * c.h, *([c.positions * c.h] if c.position_embedding_type == "learned_absolute" else [])]
+    last = [*_norm(c), *([_output(c, t)] if _output(c, t) else [])]
+    tied = c.tie_embeddings and c.pp > 1
+    dense: list[Chunk] = [(layer, None) for _ in range(chunks)]
+    if stage.has_embedding:
+        dense[0] = (first + dense[0][0], 0 if tied else None)
+    if stage.has_output:
+        dense[-1] = (dense[-1][0] + last, len(dense[-1][0]) + len(last) - 1 if tied else None)
+    own = _merged(experts) if apart else []
+    expert = [x for i in layers if c.is_moe_layer(i) for x in own]
+    return dense, [(expert, None) for _ in range(chunks)] if expert else []
+
+
+def _merged(sizes: Iterable[int]) -> list[int]:
+    """`sizes` (in registration order) with each of a multiple of 64 elements folded into the one before it: laid out
+    just before it, it leaves no padding, so the buckets and the padding come out the same, in fewer steps (a MoE
+    layer's hundreds of experts)."""
+    out: list[int] = []
+    for n in sizes:
+        if out and n % 64 == 0:
+            out[-1] += n
+        else:
+            out.append(n)
+    return out
+
+
+def megatron_buffers(config: ModelConfig, t: int, dense: list[Chunk], experts: list[Chunk]) -> tuple[int, int]:
+    """Elements of the chunks' _ParamAndGradBuffers under the distributed optimizer (param_and_grad_buffer.py), and
+    the most parameter elements one rank's shards of them hold (its fp32 main parameters and Adam moments): each
+    bucket is cut into equal shards (distrib_optimizer.py), the dense ones over dp*cp ranks, the experts' over the
+    expert data-parallel group's, and a shard holds its share less the padding in it. A rank of the stage's t*cp*dp
+    (parallel_state's order tp-cp-ep-dp-pp) holds dense shard r // t and expert shard r // (etp*ep)."""
+    c, etp_ep = config, _etp(config, t) * config.ep
+    numel, fill = _filled(dense, c.dp * c.cp)
+    if not experts:
+        return numel, max(fill)
+    expert_numel, expert_fill = _filled(experts, t * c.cp * c.dp // etp_ep)
+    return numel + expert_numel, max(fill[r // t] + expert_fill[r // etp_ep] for r in range(t * c.cp * c.dp))
+
+
+def _filled(chunks: list[Chunk], ranks: int) -> tuple[int, list[int]]:
+    """The chunks' buffers' elements, and the parameter elements each of their `ranks` shards holds."""
+    numel, holds, padding = 0, 0, [0] * ranks
+    for sizes, shared in chunks:
+        buckets, gaps = _layout(sizes, shared, lcm(ranks, 128))
+        numel += buckets[-1][1]
+        holds += sum(last - first for first, last in buckets) // ranks
+        starts = [first for first, _ in buckets]
+        for a, b in gaps:
+            first, last = buckets[bisect_right(starts, a) - 1]
+            share = (last - first) // ranks
+            for r in range((a - first) // share, (b - 1 - first) // share + 1):
+                padding[r] += min(b, first + (r + 1) * share) - max(a, first + r * share)
+    return numel, [holds - x for x in padding]
+
+
+def _layout(sizes: list[int], shared: int | None, divisor: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """One chunk's buckets (start, end) and the padding between its parameters (start, end), as _ParamAndGradBuffer
+    lays them out: in reverse, each parameter starting at a multiple of 64 elements, one bucket (bucket_size is None
+    without overlap_grad_reduce) but the shared embedding's own, each padded to a multiple of `divisor`."""
+    buckets: list[tuple[int, int]] = []
+    gaps, start, end = [], 0, 0
+
+    def close(at: int) -> int:
+        buckets.append((start, -(-at // divisor) * divisor))
+        return buckets[-1][1]
+
+    for i in reversed(range(len(sizes))):
+        begin = -(-end // 64) * 64
+        if i == shared and end > start:
+            begin = start = close(begin)
+        gaps.append((end, begin))
+        end = begin + sizes[i]
+        if i == shared:
+            gaps.append((end, close(end)))
+            end = start = buckets[-1][1]
+    if end > start:
+        gaps.append((end, close(end)))
+    return buckets, [(a, b) for a, b in gaps if a < b]
 
 
 def expert_params(params: dict[str, int]) -> int:
@@ -345,9 +467,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
     ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp.
     ZeRO-1/2 pads each of the Trainer's two groups (`no_decay` parameters in the one without weight decay) as
-    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2 and ZeRO-3 shard each
-    parameter apart: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the elements of this rank's
-    padded shards, and of the weights ZeRO-3 keeps whole beside them."""
+    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2, ZeRO-3 and Megatron's
+    distributed optimizer pad each parameter: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the
+    elements of this rank's padded shards, and of what every rank holds whole: the weights ZeRO-3 keeps beside them,
+    Megatron's padded buffers (its weights and gradients, the states no sharding splits)."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     padded = c.zero_stage in (1, 2)
@@ -355,9 +478,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
         width, shards = term.width(c), term.split.ranks(c)
-        if width and per_parameter:  # every state of FSDP2 and ZeRO-3 is sharded
+        if width and per_parameter:
             shard, whole = per_parameter
-            out[term.name] = width * (shard + (whole if term.name == "states/weights" else 0))
+            kept = term.split is WHOLE or term.name == "states/weights"
+            out[term.name] = width * ((0 if term.split is WHOLE else shard) + (whole if kept else 0))
         elif width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
             out[term.name] = width * part * (c.dp // shards)  # the flat buffers whole, or this rank's partitions
         elif width:

@@ -20,8 +20,9 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, no_decay_params, padded_vocab,
-    router_buffer_bytes, state_bytes, zero3_largest_layer,
+    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, megatron_buffers,
+    megatron_chunks, moe_layers_held, no_decay_params, padded_vocab, router_buffer_bytes, state_bytes,
+    zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
 
@@ -125,7 +126,7 @@ def _stage_total(
     params = group_params(config, stage, t)
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
-    per_parameter = per_parameter_shards(config, t, held)
+    per_parameter = per_parameter_shards(config, t, held, stage)
     no_decay = no_decay_params(config, stage, t) if config.zero_stage in (1, 2) else 0  # only ZeRO-1/2 pads groups
     states = state_bytes(config, held, experts, no_decay, per_parameter)
     terms += [Term(name, STATES, n, note) for name, n in states.items()]
@@ -138,19 +139,24 @@ def _stage_total(
     return StageTotal(stage, params, tuple(terms))
 
 
-def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int, int] | None:
+def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage) -> tuple[int, int] | None:
     """FSDP2 and ZeRO-3 shard each parameter apart, padded: FSDP2 its dim 0 to a multiple of its dp_shard*cp shards
     (_fsdp_param.py), ZeRO-3 its elements to a multiple of dp (partition_parameters.py: _padding_size), keeping the
-    parameters of stage3_param_persistence_threshold elements or fewer whole too. The elements of this rank's
-    shards and of the weights kept whole, summed over the step walk's inventory of the parameters
-    (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers model's, shape by shape, as
-    tests/probe/libs/test_hf_fsdp.py checks), each on one rank of t; None for a stack that shards a flat buffer, or
-    where these `params` are not that inventory (a pipeline stage, the families whose parameters
-    memcalc.sizing.states counts short)."""
+    parameters of stage3_param_persistence_threshold elements or fewer whole too; Megatron-LM's distributed optimizer
+    pads each parameter and bucket of its flat buffers (states.megatron_buffers). The elements of this rank's
+    shards (the fullest rank's) and of those kept whole (Megatron's: the buffers), summed over the step walk's
+    inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers
+    model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks), each on one rank of
+    t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that inventory (a
+    pipeline stage under FSDP2, the families whose parameters memcalc.sizing.states counts short)."""
     from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
+    if c.distributed_optimizer:
+        dense, experts = megatron_chunks(c, stage, t)
+        whole, shard = megatron_buffers(c, t, dense, experts)
+        return (shard, whole) if sum(sum(x) for x, _ in dense + experts) == params else None
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
         fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))

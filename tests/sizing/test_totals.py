@@ -211,3 +211,20 @@ def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_sha
     for name in ("states/weights", "states/adam_m", "states/adam_v"):
         assert terms[name] == live[name]
     assert terms["states/grads"] == live["states/weights"]  # sharded as the weights (torchtitan's live between steps)
+
+
+def test_the_distributed_optimizers_buffers_are_counted_padded_as_megatron_core_pads_them():
+    """megatron-core 0.16 starts each parameter at a multiple of 64 elements and pads the buffer to a multiple of
+    lcm(dp, 128), every rank holding it whole (measured: tests/probe/libs/test_megatron_ddp.py): at h 250, v 509,
+    L 2, dp 3, 1,651,000 parameters take 1,651,584 elements, and the fullest rank's fp32 shard holds 550,384 of them
+    (P/dp: 550,334); the step walk's states between steps are the same."""
+    config = build_config(dict(impl="megatron", h=250, a=5, L=2, s=64, b=1, vocab_size=509, dp=3,
+                               distributed_optimizer=True))
+    only = per_gpu(config, NONE).worst()
+    terms = _terms(only)
+    assert sum(only.params.values()) == 1_651_000
+    assert (terms["states/weights"], terms["states/grads"]) == (2 * 1_651_584, 4 * 1_651_584)
+    assert terms["states/master_weights"] == terms["states/adam_m"] == terms["states/adam_v"] == 4 * 550_384
+    live = {x.name: x.bytes for x in timeline(config, NONE).steady.live}
+    assert {name: live[name] for name in terms if name.startswith("states/")} == \
+        {name: n for name, n in terms.items() if name.startswith("states/")}

@@ -63,6 +63,16 @@ def cpu_megatron() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def cpu_buffers() -> Iterator[None]:
+    """`cpu_megatron`, and a pipeline stage's tied embedding built without its all-reduce to the other end (which
+    moves it to 'cuda' first), for DistributedDataParallel's buffers (memcalc.probe.libs.megatron_ddp)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    with cpu_megatron(), patched(LanguageModule, _is_in_embd_group=lambda self: False):
+        yield
+
+
 # -- dropout and the causal mask ---------------------------------------------------
 
 _cpu_dropout = F.dropout

@@ -14,7 +14,7 @@ from memcalc.sizing.timeline.megatron_pieces import norm_kernel
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape
 from memcalc.sizing.timeline.torch_ops import tied_sum
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
-from memcalc.sizing.totals import end_bytes, end_tensors
+from memcalc.sizing.totals import end_bytes, end_tensors, per_parameter_shards
 
 # -- tensors the model's ends keep that the ledger's END_TENSORS does not list ----------------------
 
@@ -40,9 +40,10 @@ STEP_TENSORS: tuple[SavedTensor, ...] = (VOCAB_MASK, POSITION_IDS, TARGET_MASK, 
 
 
 def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> None:
-    """Weights, the gradient buffer and the optimizer's states of `stage`, as `memcalc.sizing.states` counts them."""
+    """Weights, the gradient buffer and the optimizer's states of `stage`, as `memcalc.sizing.states` counts them
+    (the distributed optimizer's padded buffers as --totals counts them: per_parameter_shards)."""
     held = sum(group_params(config, stage, z.t).values())
-    states = state_bytes(config, held)
+    states = state_bytes(config, held, per_parameter=per_parameter_shards(config, z.t, held, stage))
     for name, category, why in (
         ("states/weights", PARAMETERS, f"{held:,} parameters in the training dtype"),
         ("states/grads", GRADIENTS, "Megatron's contiguous fp32 main_grad buffer, allocated before the first step"),
