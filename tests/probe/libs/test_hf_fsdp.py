@@ -135,8 +135,8 @@ def test_every_family_memcalc_reads_has_its_parameters_checked_shape_by_shape():
 @pytest.mark.parametrize("family", COUNTED_SHORT)
 def test_where_the_count_is_short_of_the_familys_parameters_totals_splits_the_count_evenly(family):
     config = make_config(LLAMA | AT_3 | COUNTED_SHORT[family], dp_shard=3)
-    held = sum(per_gpu(config, STRATEGIES["none"]).worst().params.values())
-    assert per_parameter_shards(config, 1, held) is None
+    worst = per_gpu(config, STRATEGIES["none"]).worst()
+    assert per_parameter_shards(config, 1, sum(worst.params.values()), worst.stage) is None
 
 
 @pytest.mark.parametrize("family", PADDED_FAMILIES | COUNTED_SHORT)
