@@ -389,13 +389,12 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool
 
 
 def _gpt_oss_missing(config: ModelConfig, family: str, sharded: bool) -> list[tuple[bool, str]]:
-    """What the walk of GptOssForCausalLM (memcalc.sizing.timeline.hf_gpt_oss) leaves out: it is measured eager,
-    without checkpointing, its experts by grouped_mm, on one unsharded rank."""
+    """What the walk of GptOssForCausalLM (memcalc.sizing.timeline.hf_gpt_oss) leaves out: it is measured without
+    checkpointing, its experts by grouped_mm, on one unsharded rank (its eager attention with sinks the config's
+    validation requires)."""
     if family != "gpt_oss":
         return []
     return [
-        (not config.attention_sinks or config.attention != "eager", "gpt-oss's model without its eager attention with"
-                                                                    " sinks"),
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in gpt-oss's model"),
         (not moe.grouped(config), "gpt-oss's experts by the eager loop"),
         (sharded, "gpt-oss's model under dp_shard or zero_stage"),

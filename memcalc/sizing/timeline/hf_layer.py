@@ -407,18 +407,12 @@ def rowwise(gemm: Step, partial: str, tp: bool) -> Step:
                    frees=(*gemm.frees, partial))
 
 
-# q_norm and k_norm by the layer's norm: Qwen3's LlamaRMSNorm and Gemma 3's GemmaRMSNorm on each head, OLMo 2's
-# Olmo2RMSNorm over the projection's whole output
-QK_NORMS = {"rmsnorm": (rules.Q_NORM_RMS, rules.K_NORM_RMS), "rmsnorm_1p": (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM),
-            "rmsnorm_fp32w": (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)}
-
-
 def _qk_norms(norm: str, z: Sizes) -> dict[str, tuple[RMSNormTensors, int]]:
     """The q_norm and k_norm of a layer whose norm is `norm` ("" without), each with the statistics it keeps a token:
-    one a head, or OLMo 2's one over the whole projection."""
+    one a head, or OLMo 2's one over the whole projection (the ledger's rules.QK_NORMS)."""
     if not norm:
         return {}
-    q, k = QK_NORMS[norm]
+    q, k = rules.QK_NORMS[norm]
     whole = norm == "rmsnorm_fp32w"
     return {"q": (q, 1 if whole else z.a_t), "k": (k, 1 if whole else z.g_t)}
 

@@ -134,7 +134,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
     missing = [
-        (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
         # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in
