@@ -8,12 +8,14 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
+from memcalc.model.families import layer_family
 from memcalc.model.knobs import DTYPE_BYTES, GATED
 from memcalc.sizing.pipeline import Stage
 
@@ -79,13 +81,24 @@ def _proj(c: ModelConfig, t: int) -> int:
     return width * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
 
 
+def mlp_bias(c: ModelConfig) -> bool:
+    """Whether the MLP's linears carry biases: add_bias_linear's, or transformers' family's whatever it says
+    (Family.mlp_bias: GPT-NeoX's, GPT-J's)."""
+    return c.add_bias_linear or c.impl == "hf" and layer_family(c).mlp_bias
+
+
+def head_bias(c: ModelConfig) -> bool:
+    """Whether the output layer carries a bias, v rows (Family.head_bias: GPT-J's lm_head, tied embeddings or not)."""
+    return c.impl == "hf" and layer_family(c).head_bias
+
+
 def _fc1(c: ModelConfig, t: int) -> int:
     width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
-    return (c.h * width + (width if c.add_bias_linear else 0)) // t
+    return (c.h * width + (width if mlp_bias(c) else 0)) // t
 
 
 def _fc2(c: ModelConfig, t: int) -> int:
-    return c.ffn * c.h // t + (c.h if c.add_bias_linear else 0)
+    return c.ffn * c.h // t + (c.h if mlp_bias(c) else 0)
 
 
 def _experts(c: ModelConfig, t: int) -> int:
@@ -108,8 +121,10 @@ def _shared(c: ModelConfig, t: int) -> int:
 
 
 def _output(c: ModelConfig, t: int) -> int:
-    """Untied: its own weight. Tied: none with one stage; a copy on the last stage with several."""
-    return vocab_shard(c, t) * c.h if not c.tie_embeddings or c.pp > 1 else 0
+    """Untied: its own weight. Tied: none with one stage; a copy on the last stage with several. GPT-J's bias, its
+    own either way, split as the weight's rows."""
+    weight = vocab_shard(c, t) * c.h if not c.tie_embeddings or c.pp > 1 else 0
+    return weight + (vocab_shard(c, t) if head_bias(c) else 0)
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         "embedding/word", "first", lambda c, t: vocab_shard(c, t) * c.h,
         "vocabulary-parallel: each rank holds v/t rows",
     ),
+    ParamGroup("embedding/norm", "first", lambda c, t: _norm_params(c) if c.alibi else 0,
+               "BLOOM's word_embeddings_layernorm on the embedding's output, whole"),
     ParamGroup(
         "embedding/position", "first",
         lambda c, t: c.positions * c.h if c.position_embedding_type == "learned_absolute" else 0,
@@ -375,13 +392,18 @@ def zero_partition(stage: int, dp: int, group: Iterable[int]) -> int:
     return -(-sum(group) // (2 * dp)) * 2
 
 
+# transformers' Trainer (get_decay_parameter_names): no weight decay for a parameter whose name has one of these
+# (forbidden_name_patterns), nor for an nn.LayerNorm's, which the step walk's inventory names as a norm
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
-    """Of `group_params`' counts, the Trainer's group without weight decay (get_decay_parameter_names: the norms'
-    and the biases' parameters), those a model without norms or biases lacks (gpt-oss's sinks aside: its router's
-    and experts' biases come with them)."""
-    bare = replace(config, norm="layernorm_np", add_bias_linear=False, add_qkv_bias=False, attention_sinks=False)
-    params = group_params(config, stage, t)
-    return sum(params.values()) - params["attention/sinks"] - sum(group_params(bare, stage, t).values())
+    """Of `group_params`' counts, the Trainer's group without weight decay (the norms and the biases: gpt-oss's router
+    and experts' too, not its sinks), by the Trainer's rule over the step walk's inventory of the stage's parameters
+    (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by shape)."""
+    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
+
+    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if _NO_DECAY.search(name))
 
 
 def zero3_largest_layer(config: ModelConfig) -> int:

@@ -145,8 +145,7 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int,
     shards and of the weights kept whole, summed over the step walk's inventory of the parameters
     (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers model's, shape by shape, as
     tests/probe/libs/test_hf_fsdp.py checks), each on one rank of t; None for a stack that shards a flat buffer, or
-    where these `params` are not that inventory (a pipeline stage, the families whose parameters
-    memcalc.sizing.states counts short)."""
+    where these `params` are not that inventory (a pipeline stage)."""
     from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
