@@ -216,6 +216,13 @@ _DEEPSEEK = (
     Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
     Row("v_head_dim", ("v_head_dim",)),
 )
+# DeepSeek-V2 read dense: its layers from first_k_dense_replace (DeepseekV2Config's default 0) on are DeepseekV2Moe,
+# whatever n_routed_experts (refused above 1) says
+_DEEPSEEK_V2 = (*_DEEPSEEK, Row(
+    None, ("first_k_dense_replace", "num_hidden_layers"), _checked(
+        lambda v: all(type(x) is int for x in v) and v[0] >= v[1], "first_k_dense_replace and num_hidden_layers {}"
+        " make DeepSeek-V2's later layers sparse (DeepseekV2Moe), which memcalc does not read"),
+    default=0, combine=list, note="every layer dense"))
 
 
 def _shared_width(values: list[Any]) -> int | None:
@@ -668,7 +675,7 @@ FAMILIES: dict[str, Family] = {
                attribute_map=_GPT2_NAMES),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
                _ROPE | {"fused_qkv": True}, mlps=("gelu", "gelu_tanh"), when=_rotates, mlp_bias=True),
-        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
+        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK_V2,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",

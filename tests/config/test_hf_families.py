@@ -440,6 +440,8 @@ def _counted_and_built(tmp_path, family: str, fields: dict) -> tuple[tuple[int, 
      " (memcalc models transformers' grouped_mm, its default, and eager)"),
     ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not modelled: transformers'"
      " DeepseekV3TopkRouter always runs topk_method=noaux_tc"),
+    ("deepseek_v2", {"num_hidden_layers": 4, "first_k_dense_replace": 1}, "first_k_dense_replace and"
+     " num_hidden_layers [1, 4] make DeepSeek-V2's later layers sparse (DeepseekV2Moe), which memcalc does not read"),
     ("falcon", {"parallel_attn": False},
      "parallel_attn=false is not modelled (Falcon's sequential block: attention, dropout_add, then its MLP)"),
     ("bloom", {"slow_but_exact": True}, "slow_but_exact=true is not modelled (BLOOM's sliced dense layers under"
