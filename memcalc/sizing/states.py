@@ -397,13 +397,20 @@ def zero_partition(stage: int, dp: int, group: Iterable[int]) -> int:
 _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
+def decays(name: str) -> bool:
+    """Whether transformers' Trainer puts the parameter the step walk's inventory names so in its group with weight
+    decay: not the norms nor the biases (gpt-oss's router's and experts' too), whatever their dimensions (gpt-oss's
+    1-D sinks decay, Cohere's (heads, d) q_norm does not)."""
+    return not _NO_DECAY.search(name)
+
+
 def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
-    """Of `group_params`' counts, the Trainer's group without weight decay (the norms and the biases: gpt-oss's router
-    and experts' too, not its sinks), by the Trainer's rule over the step walk's inventory of the stage's parameters
-    (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by shape)."""
+    """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
+    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
+    shape)."""
     from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
 
-    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if _NO_DECAY.search(name))
+    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
 
 
 def zero3_largest_layer(config: ModelConfig) -> int:
