@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.evaluate import check_strategy  # noqa: E402
-
 from memcalc.model.families import FAMILIES, layer_family  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
