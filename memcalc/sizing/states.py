@@ -404,15 +404,6 @@ def decays(name: str) -> bool:
     return not _NO_DECAY.search(name)
 
 
-def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
-    """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
-    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
-    shape)."""
-    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
-
-    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
-
-
 def zero3_largest_layer(config: ModelConfig) -> int:
     """DeepSpeed's ZeRO-3 estimator's transient: the largest module's own weights gathered, with their gradients,
     4 bytes a parameter (bf16 each); the largest module of transformers' Llama is the embedding (or lm_head), an MLP

@@ -20,7 +20,7 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, no_decay_params, padded_vocab,
+    FSDP_SHARDS, ROUTER_BUFFERS_WHY, decays, expert_params, group_params, moe_layers_held, padded_vocab,
     router_buffer_bytes, state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
@@ -136,6 +136,15 @@ def _stage_total(
                           "ZeRO-3 gathers a module's bf16 weights (and makes their gradients) while it runs: the"
                           " largest module's, as DeepSpeed's estimator counts it"))
     return StageTotal(stage, params, tuple(terms))
+
+
+def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
+    """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
+    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
+    shape)."""
+    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
+
+    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
 
 
 def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int, int] | None:

@@ -397,7 +397,8 @@ def _counted_and_built(tmp_path, family: str, fields: dict) -> tuple[tuple[int, 
     torch = pytest.importorskip("torch")
     from memcalc.config.schema import load_config
     from memcalc.sizing.pipeline import pipeline_stages
-    from memcalc.sizing.states import no_decay_params, total_params
+    from memcalc.sizing.states import total_params
+    from memcalc.sizing.totals import no_decay_params
 
     f = FAMILIES[family]
     config = getattr(transformers, f.config_class)(**({"num_hidden_layers": 2} | fields))

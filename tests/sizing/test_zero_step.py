@@ -11,8 +11,8 @@ from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import pipeline_stages
-from memcalc.sizing.states import no_decay_params, total_params
-from memcalc.sizing.totals import per_gpu
+from memcalc.sizing.states import total_params
+from memcalc.sizing.totals import no_decay_params, per_gpu
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
 from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
 
@@ -220,7 +220,7 @@ def test_zero2s_gradient_norm_casts_each_gradient_of_the_partition_to_float64_an
 ])
 def test_the_walks_group_without_weight_decay_is_the_one_the_totals_pad(changes):
     """The walk splits the Trainer's two groups by the parameters' dimensions (norms are 1-D), `--totals` by
-    get_decay_parameter_names' rule (states.no_decay_params: norms and biases): on every family the ZeRO walk runs
+    get_decay_parameter_names' rule (totals.no_decay_params: norms and biases): on every family the ZeRO walk runs
     they are the same parameters, so each group is padded alike."""
     config = build_config(LLAMA | {"zero_stage": 2} | changes)
     (stage,) = pipeline_stages(config)
