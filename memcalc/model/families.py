@@ -216,6 +216,13 @@ _DEEPSEEK = (
     Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
     Row("v_head_dim", ("v_head_dim",)),
 )
+# DeepSeek-V2 read dense: its layers from first_k_dense_replace (DeepseekV2Config's default 0) on are DeepseekV2Moe,
+# whatever n_routed_experts (refused above 1) says
+_DEEPSEEK_V2 = (*_DEEPSEEK, Row(
+    None, ("first_k_dense_replace", "num_hidden_layers"), _checked(
+        lambda v: all(type(x) is int for x in v) and v[0] >= v[1], "first_k_dense_replace and num_hidden_layers {}"
+        " make DeepSeek-V2's later layers sparse (DeepseekV2Moe), which memcalc does not read"),
+    default=0, combine=list, note="every layer dense"))
 
 
 def _shared_width(values: list[Any]) -> int | None:
@@ -408,13 +415,19 @@ _PHI3 = (
 )
 
 
+# OLMo 2's and Cohere's attention_bias: biases on q, k, v and o_proj alone, which no knob counts (add_bias_linear
+# biases the MLP too)
+_UNBIASED_ATTENTION = _kept_nothing("attention_bias", _only("attention_bias", (False,), "biases on q, k, v and o_proj"
+                                    " alone: memcalc's add_bias_linear biases the MLP too"), "false: no biases")
+
+
 # Olmo2Config: a Llama layer without input norms, an Olmo2RMSNorm (its weight times the fp32 normalised input) on the
 # attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
 # biases whatever attention_bias says.
 _OLMO2 = (
     *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w"), drop=("add_bias_linear",)),
     _head_dim_row(),
-    _kept_nothing("attention_bias", _flag("attention_bias"), "q, k, v and o biases keep nothing"),
+    _UNBIASED_ATTENTION,
 )
 
 
@@ -531,7 +544,7 @@ _COHERE = (
     *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True), drop=("add_bias_linear",)),
     _head_dim_row(),
     Row("qk_layernorm", ("use_qk_norm",), _flag("use_qk_norm"), default=False),
-    _kept_nothing("attention_bias", _flag("attention_bias"), "q, k, v and o biases keep nothing"),
+    _UNBIASED_ATTENTION,
     # Cohere's logit_scale: a number the logits are multiplied by (null: none)
     _kept_nothing("logit_scale", _checked(lambda v: v is None or _number(v), "logit_scale must be a number or null,"
                                           " got {}"),
@@ -610,6 +623,10 @@ class Family:
     # the blocks whose fused outputs the config class's base_model_tp_plan gathers ("colwise_gather_output"): under tp
     # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
     gathered: tuple[str, ...] = ()
+    # parameters its model has whatever the knobs say: the MLP's linears' biases (GPTNeoXMLP's, GPTJMLP's: their
+    # config's attention_bias, or none, is the attention's alone), lm_head's bias (GPT-J's, tied embeddings or not)
+    mlp_bias: bool = False
+    head_bias: bool = False
 
     @cached_property  # read on every layer_family call
     def norm(self) -> str:
@@ -657,8 +674,8 @@ FAMILIES: dict[str, Family] = {
                {"position_embedding_type": "learned_absolute", "add_bias_linear": True}, mlps=("gelu", "gelu_tanh"),
                attribute_map=_GPT2_NAMES),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
-               _ROPE | {"fused_qkv": True}, mlps=("gelu", "gelu_tanh"), when=_rotates),
-        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
+               _ROPE | {"fused_qkv": True}, mlps=("gelu", "gelu_tanh"), when=_rotates, mlp_bias=True),
+        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK_V2,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
@@ -681,7 +698,7 @@ FAMILIES: dict[str, Family] = {
                _ROPE | {"rotary_percent": 1.0}, mlps=("gelu", "gelu_tanh")),
         Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
                _ROPE | {"parallel_residual": True, "single_norm": True}, mlps=("gelu", "gelu_tanh"), when=_rotates,
-               attribute_map=_GPT2_NAMES),
+               attribute_map=_GPT2_NAMES, mlp_bias=True, head_bias=True),
         Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
                _ROPE | {"parallel_residual": True, "single_norm": True}),
         Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,

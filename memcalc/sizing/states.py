@@ -8,6 +8,7 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from dataclasses import dataclass, replace
 from math import lcm, prod
@@ -15,6 +16,7 @@ from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
+from memcalc.model.families import layer_family
 from memcalc.model.knobs import DTYPE_BYTES, GATED
 from memcalc.sizing.pipeline import Stage, stage_rank
 
@@ -93,13 +95,24 @@ def _linear_proj(c: ModelConfig, t: int) -> tuple[int, ...]:
     return _row(width, c.h, t, c.add_bias_linear)
 
 
+def mlp_bias(c: ModelConfig) -> bool:
+    """Whether the MLP's linears carry biases: add_bias_linear's, or transformers' family's whatever it says
+    (Family.mlp_bias: GPT-NeoX's, GPT-J's)."""
+    return c.add_bias_linear or c.impl == "hf" and layer_family(c).mlp_bias
+
+
+def head_bias(c: ModelConfig) -> bool:
+    """Whether the output layer carries a bias, v rows (Family.head_bias: GPT-J's lm_head, tied embeddings or not)."""
+    return c.impl == "hf" and layer_family(c).head_bias
+
+
 def _linear_fc1(c: ModelConfig, t: int) -> tuple[int, ...]:
     width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
-    return _column(c.h, width, t, c.add_bias_linear)
+    return _column(c.h, width, t, mlp_bias(c))
 
 
 def _linear_fc2(c: ModelConfig, t: int) -> tuple[int, ...]:
-    return _row(c.ffn, c.h, t, c.add_bias_linear)
+    return _row(c.ffn, c.h, t, mlp_bias(c))
 
 
 def _expert(c: ModelConfig, t: int) -> tuple[int, ...]:
@@ -125,8 +138,10 @@ def _shared(c: ModelConfig, t: int) -> tuple[int, ...]:
 
 
 def _output(c: ModelConfig, t: int) -> int:
-    """Untied: its own weight. Tied: none with one stage; a copy on the last stage with several."""
-    return vocab_shard(c, t) * c.h if not c.tie_embeddings or c.pp > 1 else 0
+    """Untied: its own weight. Tied: none with one stage; a copy on the last stage with several. GPT-J's bias, its
+    own either way, split as the weight's rows."""
+    weight = vocab_shard(c, t) * c.h if not c.tie_embeddings or c.pp > 1 else 0
+    return weight + (vocab_shard(c, t) if head_bias(c) else 0)
 
 
 @dataclass(frozen=True)
@@ -173,6 +188,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         "embedding/word", "first", lambda c, t: vocab_shard(c, t) * c.h,
         "vocabulary-parallel: each rank holds v/t rows",
     ),
+    ParamGroup("embedding/norm", "first", lambda c, t: sum(_norm(c)) if c.alibi else 0,
+               "BLOOM's word_embeddings_layernorm on the embedding's output, whole"),
     ParamGroup(
         "embedding/position", "first",
         lambda c, t: c.positions * c.h if c.position_embedding_type == "learned_absolute" else 0,
@@ -500,13 +517,16 @@ def zero_partition(stage: int, dp: int, group: Iterable[int]) -> int:
     return -(-sum(group) // (2 * dp)) * 2
 
 
-def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
-    """Of `group_params`' counts, the Trainer's group without weight decay (get_decay_parameter_names: the norms'
-    and the biases' parameters), those a model without norms or biases lacks (gpt-oss's sinks aside: its router's
-    and experts' biases come with them)."""
-    bare = replace(config, norm="layernorm_np", add_bias_linear=False, add_qkv_bias=False, attention_sinks=False)
-    params = group_params(config, stage, t)
-    return sum(params.values()) - params["attention/sinks"] - sum(group_params(bare, stage, t).values())
+# transformers' Trainer (get_decay_parameter_names): no weight decay for a parameter whose name has one of these
+# (forbidden_name_patterns), nor for an nn.LayerNorm's, which the step walk's inventory names as a norm
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def decays(name: str) -> bool:
+    """Whether transformers' Trainer puts the parameter the step walk's inventory names so in its group with weight
+    decay: not the norms nor the biases (gpt-oss's router's and experts' too), whatever their dimensions (gpt-oss's
+    1-D sinks decay, Cohere's (heads, d) q_norm does not)."""
+    return not _NO_DECAY.search(name)
 
 
 def zero3_largest_layer(config: ModelConfig) -> int:

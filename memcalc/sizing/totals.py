@@ -20,9 +20,8 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, megatron_buffers,
-    megatron_chunks, moe_layers_held, no_decay_params, padded_vocab, router_buffer_bytes, state_bytes,
-    zero3_largest_layer,
+    FSDP_SHARDS, ROUTER_BUFFERS_WHY, decays, expert_params, group_params, megatron_buffers, megatron_chunks,
+    moe_layers_held, padded_vocab, router_buffer_bytes, state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
 
@@ -139,6 +138,15 @@ def _stage_total(
     return StageTotal(stage, params, tuple(terms))
 
 
+def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
+    """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
+    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
+    shape)."""
+    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
+
+    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
+
+
 def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage) -> tuple[int, int] | None:
     """FSDP2 and ZeRO-3 shard each parameter apart, padded: FSDP2 its dim 0 to a multiple of its dp_shard*cp shards
     (_fsdp_param.py), ZeRO-3 its elements to a multiple of dp (partition_parameters.py: _padding_size), keeping the
@@ -148,7 +156,7 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
     inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers
     model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks), each on one rank of
     t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that inventory (a
-    pipeline stage under FSDP2, the families whose parameters memcalc.sizing.states counts short)."""
+    pipeline stage under FSDP2)."""
     from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 

@@ -267,10 +267,10 @@ def test_deepseek_v2_experts_are_still_refused_by_name(tmp_path):
 
 
 def _dense_deepseek(tmp_path, **change):
-    """DeepSeek's config.json without its MoE fields, read as DeepSeek-V2's (V3's class defaults are experts): a
-    test of the MLA rows, not a model."""
+    """DeepSeek's config.json without its MoE fields, every layer dense, read as DeepSeek-V2's (V3's class defaults
+    are experts): a test of the MLA rows."""
     raw = json.loads((DATA / "deepseek-v3.json").read_text()) | {
-        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"]} | change
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "first_k_dense_replace": 61} | change
     for name in ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok"):
         raw.pop(name)
     return read_hf_config(_write(tmp_path, raw))

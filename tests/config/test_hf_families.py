@@ -340,25 +340,78 @@ def test_gpt_oss_s_mxfp4_checkpoint_is_read_as_trained_dequantized(tmp_path):
 
 
 @pytest.mark.parametrize("fields, published", [
-    ({}, 116_829_156_672),
+    ({"num_hidden_layers": 36}, 116_829_156_672),  # GptOssConfig's defaults
     ({"num_hidden_layers": 24, "num_local_experts": 32}, 20_914_757_184),
-    ({"num_hidden_layers": 24, "num_local_experts": 32, "attention_bias": False}, None),  # the experts keep theirs
-], ids=["gpt-oss-120b", "gpt-oss-20b", "gpt-oss-20b without attention biases"])
-def test_gpt_oss_s_parameters_are_what_its_class_builds_and_openai_publishes(tmp_path, fields, published):
-    """OpenAI's model card: 116.83B and 20.91B parameters; GptOssForCausalLM built on the meta device has them too,
-    the sinks (a a layer), the router's bias (E a layer) and the experts' biases included."""
+], ids=["gpt-oss-120b", "gpt-oss-20b"])
+def test_gpt_oss_s_parameters_are_what_openai_publishes(tmp_path, fields, published):
+    """OpenAI's model card: 116.83B and 20.91B parameters, the sinks (a a layer), the router's bias (E a layer) and
+    the experts' biases included."""
+    counted, built = _counted_and_built(tmp_path, "gpt_oss", fields)
+    assert counted[0] == built[0] == published
+
+
+# Each family's config class at its defaults (2 layers) and at each setting its config.json switches that changes its
+# parameters: biases, tied embeddings, QK norms, fused or multi-query projections, a query latent
+_SETTINGS = {
+    "llama": [{"attention_bias": True, "mlp_bias": True}, {"tie_word_embeddings": True}],
+    "mistral": [{"tie_word_embeddings": True}],
+    "qwen2": [{"tie_word_embeddings": True}],
+    "qwen3": [{"tie_word_embeddings": False}],
+    "qwen2_moe": [{"qkv_bias": False}],
+    "gemma": [{"tie_word_embeddings": False}],
+    "gemma3_text": [{"tie_word_embeddings": False}],
+    "gpt2": [{"tie_word_embeddings": False}, {"n_inner": 100}],
+    "gpt_neox": [{"attention_bias": False}, {"tie_word_embeddings": True}, {"use_parallel_residual": False}],
+    "deepseek_v2": [{"q_lora_rank": 48}],
+    "deepseek_v3": [{"q_lora_rank": None}],
+    "phi3": [{"tie_word_embeddings": True}, {"attention_bias": True}],
+    "olmo2": [{"tie_word_embeddings": True}],
+    "falcon": [{"new_decoder_architecture": True}, {"multi_query": False}, {"bias": True}],
+    "bloom": [{"tie_word_embeddings": False}],
+    "glm": [{"attention_bias": False}],
+    "glm4": [{"attention_bias": True}],
+    "starcoder2": [{"use_bias": False}, {"tie_word_embeddings": False}],
+    "gptj": [{"tie_word_embeddings": True}],
+    "cohere": [{"use_qk_norm": True}],
+    "gpt_oss": [{"attention_bias": False}, {"tie_word_embeddings": True}],  # the experts keep their biases
+}
+_DEFAULTS = {"deepseek_v2": {"n_routed_experts": 1, "first_k_dense_replace": 2},  # its experts are not read
+             "deepseek_v3": {"num_hidden_layers": 4}}  # first_k_dense_replace 3 dense layers, then experts
+
+
+@pytest.mark.parametrize("family, fields", [(f, _DEFAULTS.get(f, {}) | x) for f in FAMILIES
+                                            for x in ({}, *_SETTINGS.get(f, []))], ids=str)
+def test_each_familys_parameters_and_those_without_weight_decay_are_what_its_transformers_class_builds(
+        tmp_path, family, fields):
+    """total_params (every model state's count, `estimate --totals`' parameters held) is the sum of the parameters
+    the family's ForCausalLM builds from its config.json, on the meta device, and no_decay_params (the group ZeRO-1/2
+    pads apart) those the Trainer's get_decay_parameter_names leaves out."""
+    counted, built = _counted_and_built(tmp_path, family, fields)
+    assert counted == built
+
+
+def _counted_and_built(tmp_path, family: str, fields: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """memcalc's count of the parameters of `family`'s config class at `fields` (2 layers unless given), read from
+    the config.json it saves, and of those without weight decay; and the same of its transformers model."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from memcalc.config.schema import load_config
+    from memcalc.sizing.pipeline import pipeline_stages
     from memcalc.sizing.states import total_params
+    from memcalc.sizing.totals import no_decay_params
 
-    config = transformers.GptOssConfig(**fields)
+    f = FAMILIES[family]
+    config = getattr(transformers, f.config_class)(**({"num_hidden_layers": 2} | fields))
     with torch.device("meta"):
-        built = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
+        model = getattr(transformers, f.architectures[0])(config)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    built = [sum(p.numel() for n, p in model.named_parameters() if every or n not in decay) for every in (True, False)]
     config.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
-    assert total_params(load_config(path, {"impl": "hf"}, base=read_hf_config(path).fields)) == built
-    assert published is None or built == published
+    knobs = {"impl": "hf", "attention": "eager", "s": 8}  # the kernel and s change no parameter
+    ours = load_config(path, knobs, base=read_hf_config(path).fields)
+    (stage,) = pipeline_stages(ours)
+    return (total_params(ours), no_decay_params(ours, stage, 1)), tuple(built)
 
 
 @pytest.mark.parametrize("model_type, fields, words", [
@@ -376,6 +429,8 @@ def test_gpt_oss_s_parameters_are_what_its_class_builds_and_openai_publishes(tmp
     ("gemma3_text", {"use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not modelled (memcalc counts causal decoder layers)"),
     ("cohere", {"logit_scale": "x"}, "logit_scale must be a number or null, got 'x'"),
+    *((family, {"attention_bias": True}, "attention_bias=True is not modelled (biases on q, k, v and o_proj alone:"
+       " memcalc's add_bias_linear biases the MLP too)") for family in ("cohere", "olmo2")),
     ("qwen2", {"use_sliding_window": True},
      "use_sliding_window=True is not modelled (memcalc models full causal attention in every layer)"),
     ("mistral", {"sliding_window": 0}, "sliding_window must be a positive whole number or null, got 0"),
@@ -386,6 +441,8 @@ def test_gpt_oss_s_parameters_are_what_its_class_builds_and_openai_publishes(tmp
      " (memcalc models transformers' grouped_mm, its default, and eager)"),
     ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not modelled: transformers'"
      " DeepseekV3TopkRouter always runs topk_method=noaux_tc"),
+    ("deepseek_v2", {"num_hidden_layers": 4, "first_k_dense_replace": 1}, "first_k_dense_replace and"
+     " num_hidden_layers [1, 4] make DeepSeek-V2's later layers sparse (DeepseekV2Moe), which memcalc does not read"),
     ("falcon", {"parallel_attn": False},
      "parallel_attn=false is not modelled (Falcon's sequential block: attention, dropout_add, then its MLP)"),
     ("bloom", {"slow_but_exact": True}, "slow_but_exact=true is not modelled (BLOOM's sliced dense layers under"

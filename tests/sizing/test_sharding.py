@@ -12,8 +12,8 @@ from memcalc.config.hf import read_hf_config
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import pipeline_stages
-from memcalc.sizing.states import no_decay_params, sharding, state_bytes, total_params, zero3_largest_layer
-from memcalc.sizing.totals import per_gpu
+from memcalc.sizing.states import sharding, state_bytes, total_params, zero3_largest_layer
+from memcalc.sizing.totals import no_decay_params, per_gpu
 from memcalc.model.strategy import STRATEGIES
 
 LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,

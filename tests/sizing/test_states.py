@@ -243,20 +243,3 @@ def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
     config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
     with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
         group_params(config, stages(config.L, 2, None)[0], 1)
-
-
-@pytest.mark.parametrize("use_qk_norm", [False, True])
-def test_a_cohere_config_counts_the_parameters_of_transformers_own_model(tmp_path, use_qk_norm):
-    """CohereForCausalLM: one bias-free norm a layer (single_norm), use_qk_norm's (heads, d) weights, one row a
-    head, and the tied embedding once."""
-    from memcalc.config.hf import read_hf_config
-
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    hf_config = transformers.CohereConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                          num_hidden_layers=2, intermediate_size=48, vocab_size=64,
-                                          max_position_embeddings=64, use_qk_norm=use_qk_norm)
-    hf_config.save_pretrained(tmp_path)
-    fields = read_hf_config(tmp_path / "config.json").fields | {"impl": "hf", "make_vocab_size_divisible_by": 1}
-    model = transformers.CohereForCausalLM(hf_config)
-    assert total_params(build_config(fields)) == sum(p.numel() for p in model.parameters())

@@ -6,12 +6,13 @@ its step() makes, stage 3 gathers modules and stage 2 reduces in buckets of redu
 
 import pytest
 
-from memcalc.config.schema import build_config
+from memcalc.config.hf import read_hf_config
+from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import pipeline_stages
-from memcalc.sizing.states import no_decay_params, total_params
-from memcalc.sizing.totals import per_gpu
+from memcalc.sizing.states import total_params
+from memcalc.sizing.totals import no_decay_params, per_gpu
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
 from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
 
@@ -219,8 +220,20 @@ def test_zero2s_gradient_norm_casts_each_gradient_of_the_partition_to_float64_an
 ])
 def test_the_walks_group_without_weight_decay_is_the_one_the_totals_pad(changes):
     """The walk splits the Trainer's two groups by the parameters' dimensions (norms are 1-D), `--totals` by
-    get_decay_parameter_names' rule (states.no_decay_params: norms and biases): on every family the ZeRO walk runs
+    get_decay_parameter_names' rule (totals.no_decay_params: norms and biases): on every family the ZeRO walk runs
     they are the same parameters, so each group is padded alike."""
     config = build_config(LLAMA | {"zero_stage": 2} | changes)
+    (stage,) = pipeline_stages(config)
+    assert sum(Zero(config).groups[1]) == no_decay_params(config, stage, 1)
+
+
+@pytest.mark.parametrize("name, changes", [("gpt-oss-tiny", {}), ("cohere-tiny", {"qk_layernorm": True})])
+def test_the_walks_group_without_weight_decay_goes_by_the_trainers_names_not_by_dimensions(name, changes):
+    """gpt-oss's 1-D sinks decay and its (E, out) experts' biases do not; nor do Cohere's (heads, d) q_norm and k_norm
+    (the walk put the 1-D parameters in the group without decay: 496 of gpt-oss-tiny's elements, not the Trainer's
+    1,256)."""
+    path = f"tests/data/hf/{name}.json"
+    config = load_config(path, {"impl": "hf", "s": 8, "zero_stage": 1, "dp": 2} | changes,
+                         base=read_hf_config(path).fields)
     (stage,) = pipeline_stages(config)
     assert sum(Zero(config).groups[1]) == no_decay_params(config, stage, 1)

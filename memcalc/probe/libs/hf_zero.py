@@ -33,6 +33,7 @@ from memcalc.probe.step import MomentTracker, StepMeasurement, batch, measure_tr
 from memcalc.sizing.timeline.zero import DEEPSPEED_AUTO
 
 torch = require_torch()
+import transformers  # noqa: E402
 from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: E402
 try:
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to the stdout it finds on import
@@ -115,13 +116,13 @@ class ZeroTrainer:
 
 def warmed_up_zero(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ZeroTrainer:
     """Rank 0 of dp (the fake group's world): the family's model under DeepSpeed ZeRO at the config's stage, the
-    Trainer's AdamW over its groups (weights with decay, norms and biases without), stepped once."""
+    Trainer's AdamW over its groups (get_decay_parameter_names': norms and biases without decay), stepped once."""
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it; torch's group is already made
     deepspeed.utils.groups._WORLD_GROUP = None  # its clone of the world group, made by a run whose group is destroyed
     model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
     checkpointed(model, config)
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    rest = [p for p in model.parameters() if p.dim() <= 1]
+    decaying, named = set(transformers.Trainer.get_decay_parameter_names(None, model)), list(model.named_parameters())
+    decay, rest = [p for n, p in named if n in decaying], [p for n, p in named if n not in decaying]
     optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4, fused=True)
     zero = {"stage": config.zero_stage, **{knob: auto(config.h) for knob, auto in DEEPSPEED_AUTO.items()}}
     with contextlib.redirect_stdout(sys.stderr), hf_shim.without_shm_comm_op():  # --json is stdout

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from memcalc.config.schema import ModelConfig
 from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import DTYPE_BYTES, GATED
-from memcalc.sizing.states import norm_shapes, vocab_shard
+from memcalc.sizing.pipeline import Stage
+from memcalc.sizing.states import head_bias, mlp_bias, norm_shapes, vocab_shard
 from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
@@ -125,7 +126,7 @@ def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
 def _mlp(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     """A dense MLP: gate and up (one gate_up_proj in Phi-3's and GLM's) and down, or the ungated fc and proj (with
     biases in GPT-NeoX's and GPT-J's whatever add_bias_linear says)."""
-    f, bias = c.ffn // t, c.add_bias_linear or rules.is_neox(c) or rules.is_gptj(c)
+    f, bias = c.ffn // t, mlp_bias(c)
     if c.mlp not in GATED:
         return (*_linear(c, f"{m}.c_fc", f, c.h, bias), *_linear(c, f"{m}.c_proj", c.h, f, bias))
     gate_up = _linear(c, f"{m}.gate_up_proj", 2 * f, c.h, bias) if fuses_modules(c) else (
@@ -169,16 +170,31 @@ def hf_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:
-    """The root's own parameters: embed_tokens (GPT-2's learned positions, BLOOM's word_embeddings_layernorm beside
-    it) and lm_head (unless tied; GPT-J's with a bias) v/t rows each under tp, the final norm; it stays unsharded from
+    """The root's own parameters: the embedding's and the output's (`_embedding`, `_output`); it stays unsharded from
     its forward to the end of backward."""
-    rows = vocab_shard(c, t)  # rank 0 of an uneven DTensor holds the most rows
+    return Unit(ROOT, (*_embedding(c, t), *_output(c, t)), False)
+
+
+def _embedding(c: ModelConfig, t: int) -> tuple[Param, ...]:
+    """embed_tokens, v/t rows under tp (rank 0 of an uneven DTensor holds the most), GPT-2's learned positions and
+    BLOOM's word_embeddings_layernorm beside it."""
     positions = (("model.wpe", (c.positions, c.h)),) if c.position_embedding_type == "learned_absolute" else ()
     normed = _norm(c, "model.word_embeddings_layernorm") if c.alibi else ()
-    bias = (("lm_head.bias", (rows,)),) if rules.is_gptj(c) else ()
-    head = () if c.tie_embeddings else (("lm_head", (rows, c.h)), *bias)
-    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *positions, *normed, *_norm(c, "model.norm"), *head),
-                False)
+    return (("model.embed_tokens", (vocab_shard(c, t), c.h)), *positions, *normed)
+
+
+def _output(c: ModelConfig, t: int) -> tuple[Param, ...]:
+    """The final norm and lm_head (unless tied; GPT-J's bias, tied or not), v/t rows each under tp."""
+    rows = vocab_shard(c, t)
+    bias = (("lm_head.bias", (rows,)),) if head_bias(c) else ()
+    return (*_norm(c, "model.norm"), *(() if c.tie_embeddings else (("lm_head", (rows, c.h)),)), *bias)
+
+
+def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
+    """The parameters one rank of t holds on a pipeline stage: its layers' (each chunk of a stage holds the same kinds:
+    memcalc.sizing.states.check_expert_states), the embedding's on the first, the output's on the last."""
+    layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
+    return (*(_embedding(c, t) if stage.has_embedding else ()), *layers, *(_output(c, t) if stage.has_output else ()))
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:

@@ -44,8 +44,9 @@ import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.states import zero_partition
-from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root
+from memcalc.sizing.pipeline import stages
+from memcalc.sizing.states import decays, zero_partition
+from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root, hf_stage_params
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
 )
@@ -74,12 +75,11 @@ class Zero:
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
-        root = hf_root(config, 1).params
-        params = [root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).params), *root[1:]]
+        params = hf_stage_params(config, stages(config.L, 1, None)[0], 1)
         shapes = [shape for _, shape in params]
-        # the Trainer's two parameter groups (weights with decay, norms without), each partitioned on its own; stage 3
-        # (not measured) flattened whole
-        groups = ([x for x in params if len(x[1]) > 1], [x for x in params if len(x[1]) == 1]) \
+        # the Trainer's two parameter groups (with weight decay, and the norms and biases without), each partitioned
+        # on its own; stage 3 (not measured) flattened whole
+        groups = ([x for x in params if decays(x[0])], [x for x in params if not decays(x[0])]) \
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
         self.order = [(name, prod(shape)) for group in groups for name, shape in group]  # bit16_groups' order
