@@ -17,7 +17,7 @@ from typing import Any
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.libs.megatron import _quiet, transformer_config
-from memcalc.probe.libs.megatron_shim import mla_core_attention, cpu_buffers
+from memcalc.probe.libs.megatron_shim import cpu_buffers, mla_core_attention
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
