@@ -206,9 +206,9 @@ def check_expert_states(config: ModelConfig) -> None:
                           " group has t*cp*dp/(ep*etp) ranks")
     chunk = c.L // (c.pp * (c.vpp or 1))
     if c.pp > 1 and c.moe_first_dense_layers:
-        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts each"
-                          " stage's MoE layers as layers/freq, so the first stage's dense layers are not placed yet;"
-                          " use pp 1")
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts every"
+                          " pipeline chunk as holding the same kinds of layers, which the first stage's dense layers"
+                          " break; use pp 1")
     if c.pp > 1 and chunk % c.moe_layer_freq:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
