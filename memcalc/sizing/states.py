@@ -196,7 +196,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
 
 def check_expert_states(config: ModelConfig) -> None:
     """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
-    and with pipelining every chunk of layers must hold the same share of MoE layers (freq divides it)."""
+    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it;
+    torchtitan's ranks are counted on their own split)."""
     c = config
     if not c.moe:
         return
@@ -209,7 +210,7 @@ def check_expert_states(config: ModelConfig) -> None:
         raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts every"
                           " pipeline chunk as holding the same kinds of layers, which the first stage's dense layers"
                           " break; use pp 1")
-    if c.pp > 1 and chunk % c.moe_layer_freq:
+    if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
 
