@@ -203,8 +203,8 @@ def _check_balanced_pins(config: ModelConfig, names: list[str]) -> None:
     for name in names:
         if kept(config, name) != kept(replace(config, moe_tokens="balanced"), name):
             raise ConfigError(f"--route balanced makes the balanced bound's slots, which moe_tokens {config.moe_tokens}"
-                              f" does not count here ({name}: some expert below it); measure with --moe-tokens"
-                              " balanced")
+                              f" does not count at these sizes (under {name} its saved tensors' shapes differ from"
+                              " the balanced bound's); measure with --moe-tokens balanced")
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:

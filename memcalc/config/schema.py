@@ -379,8 +379,8 @@ def check_layout(config: ModelConfig) -> None:
     if c.vpp is not None and c.pp < 2:
         raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
     if c.impl == "torchtitan" and c.vpp is not None:
-        raise ConfigError(f"impl torchtitan: vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline is"
-                          " modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
+        raise ConfigError(f"impl torchtitan: vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline"
+                          " is modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
     if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")

@@ -487,7 +487,7 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
 
 
 def check_even_parts(config: ModelConfig, strategy: Strategy) -> None:
-    """Refuse, in one line, a balanced bound whose all-to-alls send uneven parts: a router's k*b*s/routers slots
+    """Refuse, in one line, a balanced bound whose all-to-alls send uneven parts: a router's k*(b*s/cp)/routers slots
     that ep does not divide. The forced route deals them round the ep ranks, so a rank keeps one more than it sends
     each other rank, and returns what it received unlike what it sent: not the even (ep-1)/ep share."""
     if not config.moe or config.ep == 1 or config.moe_tokens != "balanced":
@@ -495,7 +495,8 @@ def check_even_parts(config: ModelConfig, strategy: Strategy) -> None:
     n = routers(config, strategy)
     slots = config.moe_router_topk * (config.b * (config.s // config.cp) // n)
     if slots % config.ep:
-        raise ConfigError(f"the communication ledger does not model a router's k*b*s/{n}={slots} slots that"
+        tokens = "b*s" if config.cp == 1 else f"b*s/(cp={config.cp})"  # a context-parallel rank routes its own
+        raise ConfigError(f"the communication ledger does not model a router's k*{tokens}/{n}={slots} slots that"
                           f" ep={config.ep} does not divide under the balanced bound (its all-to-alls' parts are"
                           " uneven): choose b*s so that ep divides them")
 

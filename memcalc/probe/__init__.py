@@ -29,9 +29,9 @@ def routing_fixed(config: Any, route: str | None) -> bool:
 
 def check_worst_route(config: Any, route: str | None, strategies: Iterable[Any]) -> None:
     """ConfigError where --route all-to-one is to pin moe_tokens capacity under an unpadded capacity factor, or worst
-    where such a factor drops tokens at these sizes under a strategy: the capped bound (`routed_slots`) is then not what the route makes (its k experts
-    full, the rest empty). An expert receives each token a router sees at most once, so a capacity of all of them drops
-    none, and the route makes the worst bound itself."""
+    where such a factor drops tokens at these sizes under a strategy: the capped bound (`routed_slots`) is then not
+    what the route makes (its k experts full, the rest empty). An expert receives each token a router sees at most
+    once, so a capacity of all of them drops none, and the route makes the worst bound itself."""
     capped = config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity
     if route != "all-to-one" or config.moe_tokens not in ("worst", "capacity") or not capped:
         return

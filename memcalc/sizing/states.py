@@ -126,6 +126,13 @@ def _etp(c: ModelConfig, t: int) -> int:
     return t if expert_tp(c) > 1 else 1
 
 
+def _router(c: ModelConfig) -> tuple[int, ...]:
+    """The router's (E, h) weight, whole on every rank, and its bias: gpt-oss's (GptOssTopKRouter always has one),
+    megatron-core's with add_bias_linear (TopKRouter's)."""
+    return (c.num_experts * c.h, *((c.num_experts,) if c.attention_sinks or c.impl == "megatron" and c.add_bias_linear
+                                   else ()))
+
+
 def _shared(c: ModelConfig, t: int) -> tuple[int, ...]:
     """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
     linear h -> 1 (whole; DeepSeek-V3's DeepseekV3MLP has no gate), and its tp plan names neither: whole on every
@@ -168,9 +175,9 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
                "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
     ParamGroup("mlp/fc2", "dense", lambda c, t: sum(_linear_fc2(c, t)),
                "row-parallel: the weight is split by t, its bias is whole"),
-    ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
-               "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
-               " bias an expert)"),
+    ParamGroup("moe/router", "moe", lambda c, t: sum(_router(c)),
+               "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router, and"
+               " megatron-core's with add_bias_linear, add a bias an expert)"),
     ParamGroup("moe/experts", "moe", lambda c, t: c.num_experts // c.ep * sum(_expert(c, t)),
                "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at ep > 1: whole)", expert=True),
     ParamGroup("moe/shared_experts", "moe", lambda c, t: sum(_shared(c, t)), "one MLP of width u on every token,"
@@ -206,7 +213,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
 
 def check_expert_states(config: ModelConfig) -> None:
     """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
-    and with pipelining every chunk of layers must hold the same share of MoE layers (freq divides it)."""
+    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it;
+    torchtitan's ranks are counted on their own split)."""
     c = config
     if not c.moe:
         return
@@ -216,10 +224,10 @@ def check_expert_states(config: ModelConfig) -> None:
                           " group has t*cp*dp/(ep*etp) ranks")
     chunk = c.L // (c.pp * (c.vpp or 1))
     if c.pp > 1 and c.moe_first_dense_layers:
-        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts each"
-                          " stage's MoE layers as layers/freq, so the first stage's dense layers are not placed yet;"
-                          " use pp 1")
-    if c.pp > 1 and chunk % c.moe_layer_freq:
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts every"
+                          " pipeline chunk as holding the same kinds of layers, which the first stage's dense layers"
+                          " break; use pp 1")
+    if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
 
@@ -285,7 +293,7 @@ def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chu
     experts = _expert(c, t) * (c.num_experts // c.ep) if c.moe else ()
     apart = c.ep > 1  # megatron's linears mark expert weights `allreduce` False only under expert parallelism
     mlp = {False: (*_linear_fc1(c, t), *_linear_fc2(c, t)),
-           True: (c.num_experts * c.h, *(() if apart else experts), *_shared(c, t)) if c.moe else ()}
+           True: (*_router(c), *(() if apart else experts), *_shared(c, t)) if c.moe else ()}
     kinds = {moe: _merged((*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *mlp[moe])) for moe in mlp}
     layer = [x for i in layers for x in kinds[c.is_moe_layer(i)]]
     first = [vocab_shard(c, t) * c.h, *([c.positions * c.h] if c.position_embedding_type == "learned_absolute" else [])]

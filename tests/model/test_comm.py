@@ -146,7 +146,9 @@ def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
      "^impl hf: ep=2: transformers' expert-parallel plan \\(ep_dispatch_experts\\) is not"),
     ({"ep": 2, "b": 1, "s": 6, "moe_router_topk": 3, "t": 2}, TP_SP,
      "^the communication ledger does not model a router's k\\*b\\*s/2=9 slots that ep=2 does not divide"),
-], ids=["tp without sp", "transformers' expert-parallel plan", "uneven all-to-alls"])
+    ({"ep": 2, "b": 1, "s": 12, "cp": 2, "moe_router_topk": 3, "t": 2, "attention": "flash"}, TP_SP,
+     "^the communication ledger does not model a router's k\\*b\\*s/\\(cp=2\\)/2=9 slots"),
+], ids=["tp without sp", "transformers' expert-parallel plan", "uneven all-to-alls", "uneven, each cp rank's tokens"])
 def test_moe_collectives_megatron_does_not_run_or_memcalc_has_not_measured_are_refused_in_one_line(knobs, strategy,
                                                                                                      message):
     """Uneven all-to-alls: the forced balanced route deals a router's 9 slots round ep=2 ranks, so rank 0 sends 4

@@ -142,6 +142,17 @@ def test_each_torchtitan_stage_holds_the_moe_layers_of_its_own_share_of_the_laye
     assert held == experts == [1, 2, 0]
 
 
+def test_torchtitan_under_pp_takes_a_freq_that_does_not_divide_l_over_pp():
+    """Megatron's chunks of L/(pp*vpp) layers must each hold layers/freq MoE layers; torchtitan's ranks hold their
+    own split, counted as such: pp=4 of L=12 at freq 2 gives ranks 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE ones
+    (once refused: freq 2 does not divide L/pp = 3)."""
+    config = build_config(MOE | dict(impl="torchtitan", pp=4, L=12, moe_layer_freq=2, dropout=0.0, attention="flash",
+                                     position_embedding_type="rope", add_bias_linear=False))
+    held = [moe_layers_held(config, x) for x in pipeline_stages(config)]
+    experts = [group_params(config, x, 1)["moe/experts"] // (8 * 3 * 64 * 96) for x in pipeline_stages(config)]
+    assert held == experts == [2, 2, 1, 1]
+
+
 def test_shared_experts_are_split_by_t_as_the_dense_mlp():
     config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2))
     params = group_params(config, stages(config.L, 1, None)[0], 2)

@@ -17,7 +17,7 @@ from typing import Any
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.libs.megatron import _quiet, transformer_config
-from memcalc.probe.libs.megatron_shim import _mla_core_attention, cpu_buffers
+from memcalc.probe.libs.megatron_shim import cpu_buffers, mla_core_attention
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -74,7 +74,7 @@ def _chunk_buffers(config: ModelConfig, chunk: int) -> list[Buffer]:
     spec = get_gpt_decoder_block_spec(core, use_transformer_engine=False, normalization=core.normalization,
                                       vp_stage=chunk if vpp else None)
     for layer in spec.layer_specs if c.mla else ():  # the local core takes no MLA widths: the shim's (no parameters)
-        layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
     model = GPTModel(
         core, spec,
         vocab_size=_padded_vocab(c), max_sequence_length=c.positions,

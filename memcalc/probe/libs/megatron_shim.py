@@ -250,14 +250,14 @@ def layer_spec(config: Any, index: int) -> Any:
     if config.multi_latent_attention:
         attention.q_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_Q_NORM})
         attention.kv_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_KV_NORM})
-        attention.core_attention = _mla_core_attention()
+        attention.core_attention = mla_core_attention()
     elif config.qk_layernorm:
         for name, names in (("q_layernorm", ledger.Q_NORM), ("k_layernorm", ledger.K_NORM)):
             setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"names": names, "heads": True}))
     return spec
 
 
-def _mla_core_attention() -> type:
+def mla_core_attention() -> type:
     """The local DotProductAttention, taking TE's k_channels/v_channels: its context is a*v_channels/t wide.
 
     The base Attention builds one without them first (MLA then builds its own): that one keeps kv_channels.

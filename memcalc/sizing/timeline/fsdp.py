@@ -206,7 +206,8 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its Llama3Model; norm and lm_head (tied, tok_embeddings' weight: the walk
     lays out the untied model alone) never resharded after forward ("as an optimization": FSDP2 would prefetch them
-    at once). Each parameter as this rank of t holds it under torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
+    at once). Each parameter as this rank of t holds it under torchtitan's TP plan (set_llama3_sharding_config): wo
+    and w2 split on dim 1, the norms whole, the rest on dim 0."""
     qkv, o, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t, vocab_shard(c, t)
 
     def block(i: int) -> Unit:

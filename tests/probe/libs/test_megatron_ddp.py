@@ -34,6 +34,7 @@ SHAPES = {
     "latent attention at t 2": MLA | {"t": 2},
     "latent attention without a query latent, layernorm": MLA | {"q_lora_rank": None, "norm": "layernorm"},
     "experts: a buffer of their own": MOE,
+    "biases at ep 2, dp 4: the router's too": MOE | {"add_bias_linear": True, "ep": 2, "dp": 4},
     "experts at ep 2, t 2, dp 6, shared experts, every other layer dense": MOE | {
         "ep": 2, "t": 2, "dp": 6, "moe_shared_expert_intermediate_size": 70, "moe_layer_freq": 2, "L": 4},
     "experts at ep 4 of dp 4 (one rank an expert data-parallel group), pp 2": MOE | {"ep": 4, "dp": 4, "pp": 2, "L": 4},

@@ -52,7 +52,7 @@ def _ranks(cases, device):
 
 
 # Qwen3's MoE blocks (each stage's routers forced): b = 1 and 3, odd s, a/g = 1, 2 and 4, shared experts, FullAC and
-# SelectiveAC, pp = 3, dense blocks beside MoE ones (pp = 4: a share of them not layers/freq); on CUDA's kernels with
+# SelectiveAC, pp = 3, dense blocks beside MoE ones (pp = 4: a share of them not layers/freq, freq not dividing L/pp); on CUDA's kernels with
 # flex attention past one mask block
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
 MOE_CASES = [MOE, MOE | {"b": 1, "s": 7, "L": 4, "moe_shared_expert_intermediate_size": 48},
@@ -60,7 +60,7 @@ MOE_CASES = [MOE, MOE | {"b": 1, "s": 7, "L": 4, "moe_shared_expert_intermediate
              MOE | {"recompute": "op", "num_microbatches": 3, "moe_shared_expert_intermediate_size": 48, "s": 9},
              MOE | {"pp": 3, "L": 6, "num_query_groups": 1, "s": 7, "num_microbatches": 4},
              MOE | {"L": 4, "moe_layer_freq": 2, "recompute": "op", "b": 1, "s": 7},
-             MOE | {"pp": 4, "L": 8, "moe_layer_freq": 2}]  # 2, 3, 2 and 1 layers: rank 1 holds two MoE layers of 3
+             MOE | {"pp": 4, "L": 12, "moe_layer_freq": 2}]  # 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE: not L/pp/freq
 MOE_CUDA_CASES = [MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}]
 
 
