@@ -385,7 +385,8 @@ def check_layout(config: ModelConfig) -> None:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")
     chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
-    divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+    if c.impl != "torchtitan":  # torchtitan's pipeline_llm splits any L (memcalc.sizing.pipeline.torchtitan_split)
+        divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
     if c.cp > 1:
         if c.attention != "flash":
             raise ConfigError(

@@ -34,6 +34,8 @@ CASES = [
     {"pp": 4, "L": 8},  # torchtitan's split: 2, 3, 2 and 1 layers; rank 1 holds the most
     {"pp": 3, "L": 6, "num_microbatches": 5, "recompute": "full"},  # 2, 3, 1 layers; five micro-batches
     {"pp": 4, "L": 4, "b": 1, "s": 7},  # 1, 2, 1, 0 layers: the last stage holds the norm and lm_head alone
+    {"pp": 3, "L": 5, "b": 1, "s": 7},  # pp not dividing L, which torchtitan's split takes (Megatron's refuses)
+    {"pp": 2, "L": 3, "num_microbatches": 3},
 ]
 # on CUDA's kernels (the CPU run as CUDA runs it: flex attention given each micro-batch's positions and block mask,
 # torch's fused RMSNorm): s past one mask block, b = 1 (the document mask's offsets table)
@@ -60,7 +62,8 @@ MOE_CASES = [MOE, MOE | {"b": 1, "s": 7, "L": 4, "moe_shared_expert_intermediate
              MOE | {"recompute": "op", "num_microbatches": 3, "moe_shared_expert_intermediate_size": 48, "s": 9},
              MOE | {"pp": 3, "L": 6, "num_query_groups": 1, "s": 7, "num_microbatches": 4},
              MOE | {"L": 4, "moe_layer_freq": 2, "recompute": "op", "b": 1, "s": 7},
-             MOE | {"pp": 4, "L": 12, "moe_layer_freq": 2}]  # 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE: not L/pp/freq
+             MOE | {"pp": 4, "L": 12, "moe_layer_freq": 2},
+             MOE | {"pp": 3, "L": 7, "moe_layer_freq": 2, "b": 1, "s": 7}]  # pp not dividing L  # 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE: not L/pp/freq
 MOE_CUDA_CASES = [MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}]
 
 
