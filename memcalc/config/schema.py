@@ -385,8 +385,11 @@ def check_layout(config: ModelConfig) -> None:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")
     chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
-    if c.impl != "torchtitan":  # torchtitan's pipeline_llm splits any L (memcalc.sizing.pipeline.torchtitan_split)
+    if c.impl != "torchtitan":  # torchtitan's pipeline_llm splits any L (torchtitan_split)
         divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+    elif c.pp > c.L + 2:
+        raise ConfigError(f"impl torchtitan: pp={c.pp} above L+2={c.L + 2}: its pipeline_llm counts the embedding and"
+                          " the output as a layer each and raises ValueError for a stage with none")
     if c.cp > 1:
         if c.attention != "flash":
             raise ConfigError(

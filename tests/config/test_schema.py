@@ -2,7 +2,7 @@
 
 import pytest
 
-from memcalc.config.schema import build_config, build_knobs, load_config, load_yaml
+from memcalc.config.schema import build_config, build_knobs, load_config, load_yaml, torchtitan_split
 from memcalc.model.rules import check_sequence_split
 from memcalc.errors import ConfigError, MemcalcError
 
@@ -183,9 +183,17 @@ def test_impl_torchtitan_defaults_to_llama3s_rope_untied_linears_without_biases(
 @pytest.mark.parametrize("layout, message", [
     ({"pp": 2, "vpp": 2}, "impl torchtitan: vpp=2 is Megatron-LM's interleaved schedule"),
     ({"pp": 2, "tie_embeddings": True}, "impl torchtitan: tie_embeddings with pp=2: its Decoder.update_from_config"),
+    ({"pp": 7}, r"impl torchtitan: pp=7 above L\+2=6: its pipeline_llm"),  # an internal error when pp | L went
 ])
 def test_impl_torchtitan_refuses_the_pipelines_it_does_not_run(layout, message):
     """--totals counted vpp as torch's 1F1B (the same bytes as without it), and tied embeddings that torchtitan
     refuses under pp."""
     with pytest.raises(ConfigError, match=message):
         build_config({"b": 2, "s": 16, "h": 64, "a": 8, "L": 4, "impl": "torchtitan"} | layout)
+
+
+@pytest.mark.parametrize("pp", [3, 6])
+def test_impl_torchtitan_takes_an_l_that_pp_does_not_divide(pp):
+    """torchtitan's pipeline_llm splits any L, up to pp = L + 2 (the embedding and the output a layer each)."""
+    built = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "L": 4, "impl": "torchtitan", "pp": pp})
+    assert [len(built.rank_chunks(r)[0]) for r in range(pp)] == torchtitan_split(4, pp)

@@ -36,6 +36,7 @@ CASES = [
     {"pp": 4, "L": 4, "b": 1, "s": 7},  # 1, 2, 1, 0 layers: the last stage holds the norm and lm_head alone
     {"pp": 3, "L": 5, "b": 1, "s": 7},  # pp not dividing L, which torchtitan's split takes (Megatron's refuses)
     {"pp": 2, "L": 3, "num_microbatches": 3},
+    {"pp": 4, "L": 2, "b": 1, "s": 7},  # pp = L + 2: 0, 1, 1, 0 layers, the first stage the embedding alone
 ]
 # on CUDA's kernels (the CPU run as CUDA runs it: flex attention given each micro-batch's positions and block mask,
 # torch's fused RMSNorm): s past one mask block, b = 1 (the document mask's offsets table)
