@@ -381,6 +381,9 @@ def check_layout(config: ModelConfig) -> None:
     if c.impl == "torchtitan" and c.vpp is not None:
         raise ConfigError(f"impl torchtitan: vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline"
                           " is modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
+    if c.impl == "torchtitan" and c.position_embedding_type != "rope":
+        raise ConfigError(f"impl torchtitan: position_embedding_type {c.position_embedding_type}, but its Llama3"
+                          " rotates q and k (RoPE) and has no position table; use position_embedding_type rope")
     if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")

@@ -192,6 +192,17 @@ def test_impl_torchtitan_refuses_the_pipelines_it_does_not_run(layout, message):
         build_config({"b": 2, "s": 16, "h": 64, "a": 8, "L": 4, "impl": "torchtitan"} | layout)
 
 
+@pytest.mark.parametrize("knobs, message", [
+    ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute, but its Llama3"),
+    ({"add_bias_linear": True}, "add_bias_linear True is not in torchtitan's Llama3"),
+])
+def test_impl_torchtitan_refuses_the_tensors_its_llama3_does_not_have(knobs, message):
+    """--totals counted a position table and the linears' biases among torchtitan's parameters (its step walk refused
+    them)."""
+    with pytest.raises(ConfigError, match=f"^impl torchtitan: {message}"):
+        build_config({"b": 2, "s": 16, "h": 64, "a": 8, "impl": "torchtitan"} | knobs)
+
+
 @pytest.mark.parametrize("pp", [3, 6])
 def test_impl_torchtitan_takes_an_l_that_pp_does_not_divide(pp):
     """torchtitan's pipeline_llm splits any L, up to pp = L + 2 (the embedding and the output a layer each)."""
