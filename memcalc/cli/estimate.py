@@ -135,7 +135,8 @@ def _paper_json(c: PaperComparison) -> dict:
 
 def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> dict:
     """Per strategy: the verdict, each bounding stage term by term, and its step's peak (or why not modelled)."""
-    from memcalc.sizing.states import padded_vocab, total_params
+    from memcalc.sizing.params import padded_vocab
+    from memcalc.sizing.states import total_params
     from memcalc.sizing.verdict import need
 
     budget = device.bytes

@@ -228,7 +228,8 @@ def _cell(mine: int | None, paper: Any) -> str:
 
 def describe_layout(config: ModelConfig) -> str:
     """One line naming the parallel layout and what the model's ends and parameters are."""
-    from memcalc.sizing.states import describe_sharding, padded_vocab, total_params
+    from memcalc.sizing.params import padded_vocab
+    from memcalc.sizing.states import describe_sharding, total_params
 
     c = config
     schedule = f"interleaved 1F1B, vpp={c.vpp}" if c.vpp else "1F1B" if c.pp > 1 else "no pipelining"

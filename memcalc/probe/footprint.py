@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from math import prod
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.strategy import STRATEGIES
-from memcalc.sizing.states import PARAM_GROUPS
+from memcalc.sizing.params import part
 from memcalc.units import human_bytes
 
 
@@ -39,7 +40,7 @@ def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) 
     t = config.t if st.tensor_parallel else 1
     activations = estimate(config, st, Accounting(exact=True, device=device)).per_layer_bytes
     mlp = "moe" if config.moe else "dense"  # the one layer measure builds: a MoE layer when the config has experts
-    weights = sum(g.count(config, t) for g in PARAM_GROUPS if g.where in ("layer", mlp)) * DTYPE_BYTES[config.dtype]
+    weights = sum(prod(p.shape) for p in part(config, t, mlp)) * DTYPE_BYTES[config.dtype]
     return Footprint(strategy, activations + 2 * weights, ranks_here if st.tensor_parallel else 1)
 
 

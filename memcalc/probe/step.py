@@ -31,7 +31,8 @@ from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank
-from memcalc.sizing.states import DISTRIBUTED_OPTIMIZER, vocab_shard
+from memcalc.sizing.params import vocab_shard
+from memcalc.sizing.states import DISTRIBUTED_OPTIMIZER
 from memcalc.sizing.timeline import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
 )
@@ -70,7 +71,7 @@ class Embedding(nn.Module):
         super().__init__()
         dtype = DTYPES[config.dtype]
         self.tp, self.sequence_parallel, self.dropout = tp, sequence_parallel, config.dropout
-        self.rows = vocab_shard(config, tp.size)  # as Megatron-LM pads the vocabulary (sizing.states)
+        self.rows = vocab_shard(config, tp.size)  # as Megatron-LM pads the vocabulary (sizing.params)
         generator = torch.Generator().manual_seed(WEIGHT_SEED)
         full = torch.randn(self.rows * tp.size, config.h, generator=generator) * 0.02
         # copied: a view would keep the whole table's storage behind this rank's rows (fp32 `to` is a no-op)

@@ -1,7 +1,7 @@
 """Model states: the parameters one GPU holds, and the bytes its weights, gradients and Adam keep.
 
-Parameters are counted group by group (`PARAM_GROUPS`), each with why tensor parallelism does or does not split
-it; the vocabulary is padded as Megatron-LM pads it. Bytes per parameter follow each stack's layout
+Parameters are counted group by group (memcalc.sizing.params.PARAM_GROUPS), summed over each implementation's
+inventory of them. Bytes per parameter follow each stack's layout
 (`STATE_LAYOUTS`, rendered in docs/sharding.md). Expert parameters are replicated only over the expert
 data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optimizer shards their states over.
 """
@@ -11,204 +11,15 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from math import lcm, prod
 from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
-from memcalc.model.families import layer_family
-from memcalc.model.knobs import DTYPE_BYTES, GATED
+from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.params import PARAM_GROUPS, PARTS, Param, etp, expert_tp, part
 from memcalc.sizing.pipeline import Stage, stage_rank
-
-
-def padded_vocab(config: ModelConfig, t: int) -> int:
-    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of make_vocab_size_divisible_by
-    * t (GEMM tiles); the padded rows are real weights, gradients and logits. Other libraries train v as it is."""
-    if config.impl != "megatron":
-        return config.vocab_size
-    step = config.make_vocab_size_divisible_by * t
-    return -(-config.vocab_size // step) * step
-
-
-def vocab_shard(config: ModelConfig, t: int) -> int:
-    """Rows of the padded vocabulary one of t ranks holds: the most any holds (torchtitan's DTensor: uneven)."""
-    return -(-padded_vocab(config, t) // t)
-
-
-def norm_shapes(config: ModelConfig, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """One norm's parameters over `shape`: LayerNorm's weight and bias, OLMo's LayerNorm (layernorm_np) none,
-    RMSNorm and Cohere's LayerNorm (layernorm_nb) a weight."""
-    return () if config.norm == "layernorm_np" else (shape, shape) if config.norm == "layernorm" else (shape,)
-
-
-def _norm(config: ModelConfig, width: int | None = None) -> tuple[int, ...]:
-    """One norm's parameters over `width` channels (the hidden size unless given), each one's elements."""
-    return tuple(map(prod, norm_shapes(config, (config.h if width is None else width,))))
-
-
-def _column(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
-    """A column-parallel linear's weight and bias on one rank of t: both split by t."""
-    return (fan_in * width // t, *((width // t,) if bias else ()))
-
-
-def _row(fan_in: int, width: int, t: int, bias: bool) -> tuple[int, ...]:
-    """A row-parallel linear's weight, split by t, and its bias, whole."""
-    return (fan_in * width // t, *((width,) if bias else ()))
-
-
-def _layer_norm_params(c: ModelConfig) -> int:
-    """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
-    Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
-    row a head, or OLMo 2's over q_proj's and k_proj's whole outputs (post_norm)."""
-    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * sum(_norm(c))  # sandwich: on both outputs too
-    if not c.qk_layernorm:
-        return norms
-    heads = c.a + c.groups if c.norm == "layernorm_nb" or c.post_norm else 2
-    return norms + heads * sum(_norm(c, c.head_dim))
-
-
-def _qkv(c: ModelConfig, t: int) -> int:
-    return sum(_latent(c, t)) if c.mla else sum(_linear_qkv(c, t))
-
-
-def _linear_qkv(c: ModelConfig, t: int) -> tuple[int, ...]:
-    width = (c.a + 2 * c.groups) * c.head_dim  # Q heads plus K and V groups, d (h/a unless set) channels each
-    return _column(c.h, width, t, c.add_bias_linear or c.add_qkv_bias)
-
-
-def _latent(c: ModelConfig, t: int) -> tuple[int, ...]:
-    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases), its parameters
-    in registration order: q_down (h -> r_q) then q_up (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without
-    a query latent; kv_down (h -> r_kv + d_r) and kv_up (r_kv -> a(d_n + d_v)), all column-parallel (the down
-    projections' outputs gathered); the latent norms whole. (Transformer Engine's spec duplicates the down
-    projections instead.)"""
-    r_q, r_kv, query_heads = c.q_lora_rank, c.kv_lora_rank, c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-    query = _column(c.h, query_heads, t, False) if r_q is None else (
-        *_column(c.h, r_q, t, False), *_column(r_q, query_heads, t, False))
-    kv = (*_column(c.h, r_kv + c.qk_rope_head_dim, t, False),
-          *_column(r_kv, c.a * (c.qk_nope_head_dim + c.v_head_dim), t, False))
-    return (*query, *kv, *(_norm(c, r_q) if r_q is not None else ()), *_norm(c, r_kv))
-
-
-def _linear_proj(c: ModelConfig, t: int) -> tuple[int, ...]:
-    width = c.a * (c.v_head_dim if c.mla else c.head_dim)  # a heads of d (latent attention: of d_v)
-    return _row(width, c.h, t, c.add_bias_linear)
-
-
-def mlp_bias(c: ModelConfig) -> bool:
-    """Whether the MLP's linears carry biases: add_bias_linear's, or transformers' family's whatever it says
-    (Family.mlp_bias: GPT-NeoX's, GPT-J's)."""
-    return c.add_bias_linear or c.impl == "hf" and layer_family(c).mlp_bias
-
-
-def head_bias(c: ModelConfig) -> bool:
-    """Whether the output layer carries a bias, v rows (Family.head_bias: GPT-J's lm_head, tied embeddings or not)."""
-    return c.impl == "hf" and layer_family(c).head_bias
-
-
-def _linear_fc1(c: ModelConfig, t: int) -> tuple[int, ...]:
-    width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
-    return _column(c.h, width, t, mlp_bias(c))
-
-
-def _linear_fc2(c: ModelConfig, t: int) -> tuple[int, ...]:
-    return _row(c.ffn, c.h, t, mlp_bias(c))
-
-
-def _expert(c: ModelConfig, t: int) -> tuple[int, ...]:
-    """One of the E/ep experts a rank holds: an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
-    where split at all; gpt-oss's carry biases whatever attention_bias says: GptOssExperts always has them)."""
-    expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
-    return (*_linear_fc1(expert, _etp(c, t)), *_linear_fc2(expert, _etp(c, t)))
-
-
-def _etp(c: ModelConfig, t: int) -> int:
-    return t if expert_tp(c) > 1 else 1
-
-
-def _router(c: ModelConfig) -> tuple[int, ...]:
-    """The router's (E, h) weight, whole on every rank, and its bias: gpt-oss's (GptOssTopKRouter always has one),
-    megatron-core's with add_bias_linear (TopKRouter's)."""
-    return (c.num_experts * c.h, *((c.num_experts,) if c.attention_sinks or c.impl == "megatron" and c.add_bias_linear
-                                   else ()))
-
-
-def _shared(c: ModelConfig, t: int) -> tuple[int, ...]:
-    """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
-    linear h -> 1 (whole; DeepSeek-V3's DeepseekV3MLP has no gate), and its tp plan names neither: whole on every
-    rank."""
-    if not c.moe_shared_expert_intermediate_size:
-        return ()
-    shared, hf = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size), c.impl == "hf"
-    split = 1 if hf else t
-    return (*_linear_fc1(shared, split), *_linear_fc2(shared, split), *((c.h,) if hf and not c.mla else ()))
-
-
-def _output(c: ModelConfig, t: int) -> int:
-    """Untied: its own weight. Tied: none with one stage; a copy on the last stage with several. GPT-J's bias, its
-    own either way, split as the weight's rows."""
-    weight = vocab_shard(c, t) * c.h if not c.tie_embeddings or c.pp > 1 else 0
-    return weight + (vocab_shard(c, t) if head_bias(c) else 0)
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """Weights that sit together, where they live, and how one rank's share is counted."""
-
-    name: str
-    # "layer" (every layer), "dense" (every layer with a dense MLP), "moe" (every MoE layer),
-    # "first" (with the embedding) or "last" (with the output layer)
-    where: str
-    count: Callable[[ModelConfig, int], int]  # parameters one rank holds, given its tensor-parallel size
-    why: str
-    expert: bool = False  # replicated over the expert data-parallel group only (the distributed optimizer's shards)
-
-
-PARAM_GROUPS: tuple[ParamGroup, ...] = (
-    ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"
-               " (latent attention: the down and up projections split by t, the latent norms whole)"),
-    ParamGroup("attention/proj", "layer", lambda c, t: sum(_linear_proj(c, t)),
-               "row-parallel: the weight is split by t, its bias is whole"),
-    ParamGroup("attention/sinks", "layer", lambda c, t: c.a // t if c.attention_sinks else 0,
-               "gpt-oss's learned sink logit, one a head: each rank its heads'"),
-    ParamGroup("mlp/fc1", "dense", lambda c, t: sum(_linear_fc1(c, t)),
-               "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
-    ParamGroup("mlp/fc2", "dense", lambda c, t: sum(_linear_fc2(c, t)),
-               "row-parallel: the weight is split by t, its bias is whole"),
-    ParamGroup("moe/router", "moe", lambda c, t: sum(_router(c)),
-               "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router, and"
-               " megatron-core's with add_bias_linear, add a bias an expert)"),
-    ParamGroup("moe/experts", "moe", lambda c, t: c.num_experts // c.ep * sum(_expert(c, t)),
-               "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at ep > 1: whole)", expert=True),
-    ParamGroup("moe/shared_experts", "moe", lambda c, t: sum(_shared(c, t)), "one MLP of width u on every token,"
-               " split by t as the dense MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it"
-               " not, with an h -> 1 gate)"),
-    ParamGroup(
-        "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
-        "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
-        " key's over one head's d"
-        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart, OLMo 2's norms the whole"
-        " projection), whole on every rank"
-        " (LayerNorm: weight and bias; RMSNorm: weight)",
-    ),
-    ParamGroup(
-        "embedding/word", "first", lambda c, t: vocab_shard(c, t) * c.h,
-        "vocabulary-parallel: each rank holds v/t rows",
-    ),
-    ParamGroup("embedding/norm", "first", lambda c, t: sum(_norm(c)) if c.alibi else 0,
-               "BLOOM's word_embeddings_layernorm on the embedding's output, whole"),
-    ParamGroup(
-        "embedding/position", "first",
-        lambda c, t: c.positions * c.h if c.position_embedding_type == "learned_absolute" else 0,
-        "a learned table (one row per position) is whole on every rank; RoPE has no weights",
-    ),
-    ParamGroup("final_norm", "last", lambda c, t: sum(_norm(c)), "the norm before the output layer, whole"),
-    ParamGroup(
-        "output/weight", "last", _output,
-        "vocabulary-parallel; tied to the embedding it costs nothing with one stage, but pipelining keeps a copy"
-        " on the last stage (its gradient is all-reduced with the first stage's)",
-    ),
-)
 
 
 def check_expert_states(config: ModelConfig) -> None:
@@ -230,12 +41,6 @@ def check_expert_states(config: ModelConfig) -> None:
     if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
-
-
-def expert_tp(config: ModelConfig) -> int:
-    """Expert tensor parallelism: etp = t, but torchtitan's experts at ep > 1, whole on each of its expert-parallel
-    ranks (which are its TP ranks: memcalc.model.impls.torchtitan.splits)."""
-    return 1 if config.impl == "torchtitan" and config.ep > 1 else config.etp or config.t
 
 
 def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
@@ -267,58 +72,67 @@ def router_buffer_bytes(config: ModelConfig, stage: Stage) -> int:
 
 
 def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
-    """Parameters one rank of `stage` holds, per group (layer groups times the stage's layers of their kind)."""
+    """Parameters one rank of `stage` holds, per group (MoE ones only with experts): the implementation's inventory
+    (memcalc.sizing.params.part), one layer of each kind times the stage's layers of that kind."""
     check_expert_states(config)
     moe = moe_layers_held(config, stage)
-    held = {"layer": stage.layers, "dense": stage.layers - moe, "moe": moe, "first": int(stage.has_embedding),
-            "last": int(stage.has_output)}
-    return {g.name: held[g.where] * g.count(config, t) if held[g.where] else 0 for g in PARAM_GROUPS
+    held = list(zip((int(stage.has_embedding), stage.layers - moe, moe, int(stage.has_output)), _part_sums(config, t)))
+    return {g.name: sum(n * sums.get(g.name, 0) for n, sums in held) for g in PARAM_GROUPS
             if g.where != "moe" or config.moe}
+
+
+@lru_cache(maxsize=256)
+def _part_sums(config: ModelConfig, t: int) -> tuple[dict[str, int], ...]:
+    """Elements per group of each of the model's `PARTS` on a rank of t (none without experts for its MoE layer),
+    kept: a config's counts are asked for per stage, per strategy and per term."""
+    sums: tuple[dict[str, int], ...] = tuple({} for _ in PARTS)
+    for which, out in zip(PARTS, sums):
+        for p in part(config, t, which) if which != "moe" or config.moe else ():
+            out[p.group.name] = out.get(p.group.name, 0) + prod(p.shape)
+    return sums
 
 
 Chunk = tuple[list[int], int | None]  # a model chunk's parameters' elements in registration order; the shared one
 
 
 def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chunk], list[Chunk]]:
-    """Each model chunk of a stage (vpp of them, else one) as megatron-core's GPTModel on the local spec registers its
-    parameters on one rank of t, its dense buffer's and its experts' (`allreduce` False: a buffer of their own): the
-    embedding's word and position tables, each TransformerLayer's input_layernorm, linear_proj, linear_qkv, q and k
-    layernorms (latent attention: `_latent`'s), pre_mlp_layernorm, linear_fc1 and linear_fc2 (weight, then bias) or
-    a MoELayer's router, shared experts and (the other buffer) SequentialMLP's experts, the final layernorm and the
-    output layer; each parameter's elements, and which one is a tied embedding that pipelining gives its own bucket
-    (`shared_embedding`: on the first stage's first chunk and the last stage's last). A chunk's layer i is a MoE one
-    as the model's layer i is (check_expert_states: every chunk holds the same pattern)."""
+    """Each model chunk of a stage (vpp of them, else one) as megatron-core's GPTModel registers its parameters on one
+    rank of t (memcalc.sizing.params' megatron inventory), its dense buffer's and its experts' (`allreduce` False
+    under expert parallelism: a buffer of their own): each parameter's elements, and which one is a tied embedding
+    that pipelining gives its own bucket (`shared_embedding`: on the first stage's first chunk and the last stage's
+    last). A chunk's layer i is a MoE one as the model's layer i is (check_expert_states: every chunk holds the same
+    pattern)."""
     c, chunks, layers = config, config.vpp or 1, range(stage.layers // (config.vpp or 1))
-    attention = _latent(c, t) if c.mla else (*_linear_qkv(c, t), *(_norm(c, c.head_dim) * 2 if c.qk_layernorm else ()))
-    experts = _expert(c, t) * (c.num_experts // c.ep) if c.moe else ()
     apart = c.ep > 1  # megatron's linears mark expert weights `allreduce` False only under expert parallelism
-    mlp = {False: (*_linear_fc1(c, t), *_linear_fc2(c, t)),
-           True: (*_router(c), *(() if apart else experts), *_shared(c, t)) if c.moe else ()}
-    kinds = {moe: _merged((*_norm(c), *_linear_proj(c, t), *attention, *_norm(c), *mlp[moe])) for moe in mlp}
-    layer = [x for i in layers for x in kinds[c.is_moe_layer(i)]]
-    first = [vocab_shard(c, t) * c.h, *([c.positions * c.h] if c.position_embedding_type == "learned_absolute" else [])]
-    last = [*_norm(c), *([_output(c, t)] if _output(c, t) else [])]
+    kinds = {moe: part(c, t, "moe" if moe else "dense") for moe in ((False, True) if c.moe else (False,))}
+    layer = [x for i in layers for x in _merged(kinds[c.is_moe_layer(i)], lambda p: not apart or not p.group.expert)]
+    first, last = ([prod(p.shape) for p in part(c, t, x)] for x in ("first", "last"))
     tied = c.tie_embeddings and c.pp > 1
     dense: list[Chunk] = [(layer, None) for _ in range(chunks)]
     if stage.has_embedding:
         dense[0] = (first + dense[0][0], 0 if tied else None)
     if stage.has_output:
         dense[-1] = (dense[-1][0] + last, len(dense[-1][0]) + len(last) - 1 if tied else None)
-    own = _merged(experts) if apart else []
+    own = _merged(kinds.get(True, ()), lambda p: apart and p.group.expert)
     expert = [x for i in layers if c.is_moe_layer(i) for x in own]
     return dense, [(expert, None) for _ in range(chunks)] if expert else []
 
 
-def _merged(sizes: Iterable[int]) -> list[int]:
-    """`sizes` (in registration order) with each of a multiple of 64 elements folded into the one before it: laid out
-    just before it, it leaves no padding, so the buckets and the padding come out the same, in fewer steps (a MoE
-    layer's hundreds of experts)."""
+def _merged(params: tuple[Param, ...], keep: Callable[[Param], bool]) -> list[int]:
+    """The elements of those of `params` (in registration order) that `keep` picks, SequentialMLP's experts expert by
+    expert (their leading dimension), each of a multiple of 64 elements folded into the one before it: laid out just
+    before it, it leaves no padding, so the buckets and the padding come out the same, in fewer steps (a MoE layer's
+    hundreds of experts)."""
+    experts = [p for p in params if p.group.expert]
     out: list[int] = []
-    for n in sizes:
-        if out and n % 64 == 0:
-            out[-1] += n
-        else:
-            out.append(n)
+    for p in params:
+        if not keep(p) or p.group.expert and p is not experts[0]:
+            continue
+        for n in [prod(x.shape[1:]) for x in experts] * p.shape[0] if p.group.expert else [prod(p.shape)]:
+            if out and n % 64 == 0:
+                out[-1] += n
+            else:
+                out.append(n)
     return out
 
 
@@ -328,7 +142,7 @@ def megatron_buffers(config: ModelConfig, t: int, dense: list[Chunk], experts: l
     bucket is cut into equal shards (distrib_optimizer.py), the dense ones over dp*cp ranks, the experts' over the
     expert data-parallel group's, and a shard holds its share less the padding in it. A rank of the stage's t*cp*dp
     (parallel_state's order tp-cp-ep-dp-pp) holds dense shard r // t and expert shard r // (etp*ep)."""
-    c, etp_ep = config, _etp(config, t) * config.ep
+    c, etp_ep = config, etp(config, t) * config.ep
     numel, fill = _filled(dense, c.dp * c.cp)
     if not experts:
         return numel, max(fill)
@@ -385,10 +199,9 @@ def expert_params(params: dict[str, int]) -> int:
 def total_params(config: ModelConfig) -> int:
     """Distinct parameters in the whole model, as published: as one stage, where a tied output layer is
     the embedding, and without the vocabulary's padding (rows that cost memory but are never a token)."""
-    whole = {"layer": config.L, "dense": config.L - config.moe_layers, "moe": config.moe_layers, "first": 1,
-             "last": 1}
     one_stage = replace(config, pp=1, vpp=None, make_vocab_size_divisible_by=1, ep=1)
-    return sum(whole[g.where] * g.count(one_stage, 1) if whole[g.where] else 0 for g in PARAM_GROUPS)
+    held = (1, config.L - config.moe_layers, config.moe_layers, 1)
+    return sum(n * sum(sums.values()) for n, sums in zip(held, _part_sums(one_stage, 1)))
 
 
 @dataclass(frozen=True)

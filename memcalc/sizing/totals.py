@@ -18,10 +18,11 @@ from memcalc.model.impls import implementation
 from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
+from memcalc.sizing.params import padded_vocab
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
     FSDP_SHARDS, ROUTER_BUFFERS_WHY, decays, expert_params, group_params, megatron_buffers, megatron_chunks,
-    moe_layers_held, padded_vocab, router_buffer_bytes, state_bytes, zero3_largest_layer,
+    moe_layers_held, router_buffer_bytes, state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
 
@@ -144,7 +145,7 @@ def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
     shape)."""
     from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
 
-    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
+    return sum(prod(p.shape) for p in hf_stage_params(config, stage, t) if not decays(p.module))
 
 
 def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage) -> tuple[int, int] | None:
@@ -154,21 +155,20 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
     pads each parameter and bucket of its flat buffers (states.megatron_buffers). The elements of this rank's
     shards (the fullest rank's) and of those kept whole (Megatron's: the buffers), summed over the step walk's
     inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers
-    model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks), each on one rank of
-    t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that inventory (a
-    pipeline stage under FSDP2)."""
+    model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks: memcalc.sizing.params),
+    each on one rank of t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that
+    inventory (a pipeline stage under FSDP2)."""
     from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
     if c.distributed_optimizer:
-        dense, experts = megatron_chunks(c, stage, t)
-        whole, shard = megatron_buffers(c, t, dense, experts)
-        return (shard, whole) if sum(sum(x) for x, _ in dense + experts) == params else None
+        whole, shard = megatron_buffers(c, t, *megatron_chunks(c, stage, t))  # group_params' own inventory
+        return shard, whole
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
         fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))
-        return (fsdp.shard, 0) if sum(prod(x) for u in fsdp.units for x in u.shapes) == params else None
+        return (fsdp.shard, 0) if sum(prod(p.shape) for u in fsdp.units for p in u.params) == params else None
     if c.zero_stage == 3:
         zero = Zero(c)
         return (zero.part, zero.persistent) if sum(map(sum, zero.groups)) == params else None

@@ -12,8 +12,8 @@ from memcalc.config.hf import read_hf_config
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import pipeline_stages
-from memcalc.sizing.states import sharding, state_bytes, total_params, zero3_largest_layer
-from memcalc.sizing.totals import no_decay_params, per_gpu
+from memcalc.sizing.states import group_params, sharding, state_bytes, total_params, zero3_largest_layer
+from memcalc.sizing.totals import no_decay_params, per_gpu, per_parameter_shards
 from memcalc.model.strategy import STRATEGIES
 
 LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
@@ -167,3 +167,16 @@ def test_estimate_totals_names_the_sharding_and_counts_fsdp2s_states():
     assert run.code == 0, run.err
     assert "FSDP2 over dp_shard*cp=4, HSDP over 2 replicas" in run.out  # tiny: t = 2, so dp = 8
     assert "none: the step peaks at" in run.out
+
+
+def test_fsdp2_pads_torchtitans_experts_under_tp_as_it_pads_them_without():
+    """The count and FSDP2's padding read one inventory (memcalc.sizing.params): under tp torchtitan's experts are
+    split by t in both (the walk's list held them whole, so --totals split the states evenly, unpadded). One rank of
+    t 2, dp_shard 3: each parameter's dim 0 padded to a multiple of 3, the experts' E = 4 to 6."""
+    config = build_config(dict(b=1, s=16, h=64, a=4, L=1, vocab_size=101, ffn_hidden_size=48, num_experts=4,
+                               impl="torchtitan", t=2, dp_shard=3))
+    (stage,) = pipeline_stages(config)
+    held = sum(group_params(config, stage, 2).values())
+    rows = 51 * 64  # tok_embeddings and lm_head: ceil(101/2) = 51 rows, a multiple of 3
+    block = 96 * 64 + 66 * 32 + 3 * 6 * 24 * 64 + 6 * 64 + 2 * 66  # wqkv, wo, w1 w2 w3 (f/t = 24), router, norms
+    assert per_parameter_shards(config, 2, held, stage) == ((2 * rows + block + 66) // 3, 0)

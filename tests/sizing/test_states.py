@@ -6,8 +6,9 @@ import pytest
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import pipeline_stages, stages
-from memcalc.sizing.states import (group_params, moe_layers_held, padded_vocab, router_buffer_bytes, state_bytes,
-                                   total_params, vocab_shard)
+from memcalc.sizing.states import (group_params, moe_layers_held, router_buffer_bytes, state_bytes,
+                                   total_params)
+from memcalc.sizing.params import padded_vocab, vocab_shard
 
 # By-hand counts use v as given (no padding); the padding tests below set the divisor themselves.
 GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000, make_vocab_size_divisible_by=1)

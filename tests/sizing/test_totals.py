@@ -2,19 +2,17 @@
 section 4.3's embedding, output and loss terms, and its claim about what fits), plus context parallelism
 and the layout rules."""
 
-from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 
 from memcalc.config.schema import build_config, load_config
-from memcalc.config.shipped import shipped_dir, shipped_names
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.timeline import timeline
-from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu, per_parameter_shards
+from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
 from tests.helpers import LLAMA_HF
 
 b, s, h, a, t, L, v = 2, 64, 32, 16, 4, 8, 1000  # b*a/t = 8: Megatron's fused softmax runs
@@ -232,16 +230,3 @@ def test_the_distributed_optimizers_buffers_are_counted_padded_as_megatron_core_
         {name: n for name, n in terms.items() if name.startswith("states/")}
 
 
-@pytest.mark.parametrize("name", shipped_names())
-def test_every_shipped_megatron_configs_distributed_optimizer_is_counted_padded_on_each_stage(name):
-    """per_parameter_shards falls back to an even split where its inventory is not group_params' count: on Megatron's
-    layout that would be a parameter one of them leaves out (the router's bias was), so no shipped config may reach
-    it, on its own pipeline layout, with its experts at ep 2 too (dp 6: both 2 and 3 divide it, 3 padding odd)."""
-    config = load_config(shipped_dir() / f"{name}.yaml", {"dp": 6, "distributed_optimizer": True})
-    if config.impl != "megatron":
-        pytest.skip("the distributed optimizer is Megatron-LM's")
-    for ep in sorted({1, 2 if config.moe else 1}):
-        config = replace(config, ep=ep)
-        for stage in per_gpu(config, NONE).stages:
-            held = sum(stage.params.values())
-            assert per_parameter_shards(config, 1, held, stage.stage) is not None, (name, ep, stage.stage.name)

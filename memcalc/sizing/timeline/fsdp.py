@@ -44,13 +44,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
-from memcalc.model.impls import hf as rules
-from memcalc.model.knobs import DTYPE_BYTES, GATED
+from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.params import EXPERTS, Param, hf_layer_params, part, torchtitan_layer_params
 from memcalc.sizing.pipeline import Stage
-from memcalc.sizing.states import head_bias, mlp_bias, norm_shapes, vocab_shard
 from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
-from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
 ROOT = "root"
 OUTPUT = "norm+lm_head"  # torchtitan's last unit
@@ -62,9 +60,6 @@ def _padded(shape: tuple[int, ...], shards: int, dim1: bool = False) -> int:
     return prod(shape) if dim1 else -(-shape[0] // shards) * shards * prod(shape[1:])
 
 
-Param = tuple[str, tuple[int, ...]]  # a parameter's module path and its shape on this rank before FSDP2 shards it
-
-
 @dataclass(frozen=True)
 class Unit:
     """One `fully_shard` call: its parameters in registration order (their modules and shapes) and whether forward
@@ -74,127 +69,25 @@ class Unit:
     params: tuple[Param, ...]
     reshard_after_forward: bool
 
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape in self.params)
-
 
 def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
-    """A decoder layer's parameters in registration order, as this rank of t holds them before FSDP2 shards them
-    (transformers' tp_plan: q, k, v, gate, up colwise, o and down rowwise, the norms whole): its attention (latent
-    attention in DeepseekV3DecoderLayer), its MLP (a sparse block's experts), then its norms (one with single_norm,
-    four with sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none)."""
-    m = f"model.layers.{i}"
-    attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
-    mlp = hf_moe_parameters(c, t, f"{m}.mlp") if sparse(c, i) else _mlp(c, t, f"{m}.mlp")
-    norms = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
-        "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
-    return Unit(f"layers.{i}", (*attention, *mlp, *(x for n in norms for x in _norm(c, f"{m}.{n}"))),
-                c.reshard_after_forward)
-
-
-_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-def _linear(c: ModelConfig, m: str, out: int, features: int, bias: bool) -> tuple[Param, ...]:
-    """nn.Linear's weight (out, in) and its bias (out,) where it has one (named `m.bias`); GPT-2's Conv1D keeps its
-    weight as (in, out)."""
-    weight = (m, (features, out) if rules.is_gpt2(c) else (out, features))
-    return (weight, (f"{m}.bias", (out,))) if bias else (weight,)
-
-
-def _norm(c: ModelConfig, m: str, shape: tuple[int, ...] | None = None) -> tuple[Param, ...]:
-    """A norm's parameters over `shape` (h unless given), as memcalc.sizing.states.norm_shapes counts them."""
-    return tuple(zip((m, f"{m}.bias"), norm_shapes(c, shape or (c.h,))))
-
-
-def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
-    """q, k, v (one module: Phi-3's qkv_proj, Falcon's query_key_value, GPT-2's c_attn) with add_qkv_bias's or
-    add_bias_linear's biases, o_proj, gpt-oss's sinks, and the QK norms: over one head's d channels (Qwen3, Gemma 3),
-    OLMo 2's over the whole projections, Cohere's (heads, d) weights (whole under tp: its tp_plan names none)."""
-    q, kv, bias = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.add_qkv_bias or c.add_bias_linear
-    fused = c.fused_qkv or rules.is_gpt2(c) or rules.is_falcon(c) or c.alibi  # Falcon-7B's multi-query one too
-    qkv = _linear(c, f"{m}.qkv_proj", q + 2 * kv, c.h, bias) if fused else tuple(
-        x for n, w in zip("qkv", (q, kv, kv)) for x in _linear(c, f"{m}.{n}_proj", w, c.h, bias))
-    qk = () if not c.qk_layernorm else ((q,), (kv,)) if c.post_norm else (
-        (c.a, c.head_dim), (c.groups, c.head_dim)) if rules.is_cohere(c) else ((c.head_dim,),) * 2
-    sinks = ((f"{m}.sinks", (c.a // t,)),) if c.attention_sinks else ()
-    return (*sinks, *qkv, *_linear(c, f"{m}.o_proj", c.h, q, c.add_bias_linear),
-            *(x for n, shape in zip("qk", qk) for x in _norm(c, f"{m}.{n}_norm", shape)))
-
-
-def _mlp(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
-    """A dense MLP: gate and up (one gate_up_proj in Phi-3's and GLM's) and down, or the ungated fc and proj (with
-    biases in GPT-NeoX's and GPT-J's whatever add_bias_linear says)."""
-    f, bias = c.ffn // t, mlp_bias(c)
-    if c.mlp not in GATED:
-        return (*_linear(c, f"{m}.c_fc", f, c.h, bias), *_linear(c, f"{m}.c_proj", c.h, f, bias))
-    gate_up = _linear(c, f"{m}.gate_up_proj", 2 * f, c.h, bias) if fuses_modules(c) else (
-        *_linear(c, f"{m}.gate_proj", f, c.h, bias), *_linear(c, f"{m}.up_proj", f, c.h, bias))
-    return (*gate_up, *_linear(c, f"{m}.down_proj", c.h, f, bias))
-
-
-def fuses_modules(c: ModelConfig) -> bool:
-    """Whether transformers' layer fuses q, k and v into one module (fused_qkv: Phi-3's qkv_proj) or gate and up
-    (Phi-3's and GLM's gate_up_proj)."""
-    return c.fused_qkv or rules.is_glm(c)
-
-
-def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """DeepseekV3Attention's parameters in registration order (t = 1): the query's latent (or q_proj), the key/value
-    latent with k_rot, their norms and up projections, o_proj."""
-    a, dq, dv, qr, kvr = c.a, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
-    query = ((f"{m}.q_proj", (a * dq, c.h)),) if qr is None else (
-        (f"{m}.q_a_proj", (qr, c.h)), (f"{m}.q_a_layernorm", (qr,)), (f"{m}.q_b_proj", (a * dq, qr)))
-    return (*query, (f"{m}.kv_a_proj_with_mqa", (kvr + c.qk_rope_head_dim, c.h)), (f"{m}.kv_a_layernorm", (kvr,)),
-            (f"{m}.kv_b_proj", (a * (c.qk_nope_head_dim + dv), kvr)), (f"{m}.o_proj", (c.h, a * dv)))
-
-
-def hf_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
-    """A sparse MoE block's parameters in registration order (Qwen3-MoE registers its experts first), as this rank of
-    t holds them: the experts' gate_up_proj packed_colwise and down_proj rowwise (their expert_ffn/t channels), the
-    router and the shared expert whole. The experts' two weights are one module's: each is named by its own path
-    (memcalc.sizing.timeline.hf_moe.weight_of)."""
-    f, e = c.expert_ffn // t, c.num_experts
-    if c.attention_sinks:  # GptOssMLP: a router with a bias; GptOssExperts' (E, in, out) weights with (E, out) biases
-        return (*_linear(c, f"{m}.router", e, c.h, True), (f"{m}.experts.gate_up_proj", (e, c.h, 2 * f)),
-                (f"{m}.experts.gate_up_proj_bias", (e, 2 * f)), (f"{m}.experts.down_proj", (e, f, c.h)),
-                (f"{m}.experts.down_proj_bias", (e, c.h)))
-    router = ((f"{m}.gate", (e, c.h)),)
-    experts = ((f"{m}.experts.gate_up_proj", (e, 2 * f, c.h)), (f"{m}.experts.down_proj", (e, c.h, f)))
-    u = c.moe_shared_expert_intermediate_size
-    gate = () if c.mla else ((f"{m}.shared_expert_gate", (1, c.h)),)  # DeepseekV3MoE's shared experts have none
-    shared = ((f"{m}.shared_expert.gate_proj", (u, c.h)), (f"{m}.shared_expert.up_proj", (u, c.h)),
-              (f"{m}.shared_expert.down_proj", (c.h, u)), *gate) if u else ()
-    return (*experts, *router) if c.qk_layernorm else (*router, *experts, *shared)
+    """Decoder layer i's parameters (memcalc.sizing.params.hf_layer_params), the sparse block's where layer i has
+    one."""
+    return Unit(f"layers.{i}", hf_layer_params(c, t, f"model.layers.{i}", sparse(c, i)), c.reshard_after_forward)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:
-    """The root's own parameters: the embedding's and the output's (`_embedding`, `_output`); it stays unsharded from
-    its forward to the end of backward."""
-    return Unit(ROOT, (*_embedding(c, t), *_output(c, t)), False)
-
-
-def _embedding(c: ModelConfig, t: int) -> tuple[Param, ...]:
-    """embed_tokens, v/t rows under tp (rank 0 of an uneven DTensor holds the most), GPT-2's learned positions and
-    BLOOM's word_embeddings_layernorm beside it."""
-    positions = (("model.wpe", (c.positions, c.h)),) if c.position_embedding_type == "learned_absolute" else ()
-    normed = _norm(c, "model.word_embeddings_layernorm") if c.alibi else ()
-    return (("model.embed_tokens", (vocab_shard(c, t), c.h)), *positions, *normed)
-
-
-def _output(c: ModelConfig, t: int) -> tuple[Param, ...]:
-    """The final norm and lm_head (unless tied; GPT-J's bias, tied or not), v/t rows each under tp."""
-    rows = vocab_shard(c, t)
-    bias = (("lm_head.bias", (rows,)),) if head_bias(c) else ()
-    return (*_norm(c, "model.norm"), *(() if c.tie_embeddings else (("lm_head", (rows, c.h)),)), *bias)
+    """The root's own parameters: the embedding's and the output's; it stays unsharded from its forward to the end of
+    backward."""
+    return Unit(ROOT, (*part(c, t, "first"), *part(c, t, "last")), False)
 
 
 def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
     """The parameters one rank of t holds on a pipeline stage: its layers' (each chunk of a stage holds the same kinds:
     memcalc.sizing.states.check_expert_states), the embedding's on the first, the output's on the last."""
     layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
-    return (*(_embedding(c, t) if stage.has_embedding else ()), *layers, *(_output(c, t) if stage.has_output else ()))
+    return (*(part(c, t, "first") if stage.has_embedding else ()), *layers,
+            *(part(c, t, "last") if stage.has_output else ()))
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -204,32 +97,13 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 
 
 def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
-    """torchtitan's apply_fsdp_to_decoder on its Llama3Model; norm and lm_head (tied, tok_embeddings' weight: the walk
-    lays out the untied model alone) never resharded after forward ("as an optimization": FSDP2 would prefetch them
-    at once). Each parameter as this rank of t holds it under torchtitan's TP plan (set_llama3_sharding_config): wo
-    and w2 split on dim 1, the norms whole, the rest on dim 0."""
-    qkv, o, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t, vocab_shard(c, t)
-
-    def block(i: int) -> Unit:
-        m = torchtitan_block(i, c)
-        mlp = torchtitan_moe_parameters(c, f"{m}.moe") if c.is_moe_layer(i) else (
-            (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)), (f"{m}.feed_forward.w3", (f, c.h)))
-        attention = ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, o)))
-        norms = ((f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,)))
-        return Unit(f"layers.{i}", (*attention, *mlp, *norms), c.reshard_after_forward)
-    return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), c.reshard_after_forward),
-            *(block(i) for i in range(c.L)),
-            Unit(OUTPUT, (("norm", (c.h,)), *(() if c.tie_embeddings else (("lm_head", (v, c.h)),))), False))
-
-
-def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1), GroupedExperts' three one module's, each
-    named by its own path."""
-    e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
-    shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
-              (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
-    return ((f"{experts}.inner_experts.{W['w1']}", (e, f, c.h)), (f"{experts}.inner_experts.{W['w2']}", (e, c.h, f)),
-            (f"{experts}.inner_experts.{W['w3']}", (e, f, c.h)), (f"{m}.router.gate", (e, c.h)), *shared)
+    """torchtitan's apply_fsdp_to_decoder on its Llama3Model (memcalc.sizing.params.torchtitan_layer_params): the
+    embedding, each block, and norm with lm_head, never resharded after forward ("as an optimization": FSDP2 would
+    prefetch them at once)."""
+    blocks = (Unit(f"layers.{i}", torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i)),
+                   c.reshard_after_forward) for i in range(c.L))
+    return (Unit("tok_embeddings", part(c, t, "first"), c.reshard_after_forward), *blocks,
+            Unit(OUTPUT, part(c, t, "last"), False))
 
 
 def expert_dim1(c: ModelConfig) -> bool:
@@ -260,14 +134,14 @@ class Fsdp:
         its trainer's zero_grad(set_to_none=False). Under sequence parallelism the norms run on this rank's tokens
         alone: their Replicate weights' gradients are Partial sums over t."""
         units = torchtitan_units(config, t)
-        norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
-        dim1 = frozenset(m for u in units for m, _ in u.params if expert_dim1(config) and m.endswith(tuple(W.values())))
+        norms = frozenset(p.module for u in units for p in u.params if len(p.shape) == 1) if sp else frozenset()
+        dim1 = frozenset(p.module for u in units for p in u.params if expert_dim1(config) and p.group is EXPERTS)
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
                    accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1)
 
     def unit_of(self, module: str) -> str | None:
         """The unit that holds the parameter of `module` (named by the module's path); None if no unit does."""
-        return next((u.name for u in self.units if any(m == module for m, _ in u.params)), None)
+        return next((u.name for u in self.units if any(p.module == module for p in u.params)), None)
 
     @classmethod
     def of(cls, config: ModelConfig, t: int) -> Fsdp:
@@ -282,8 +156,8 @@ class Fsdp:
 
     def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
-        return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
-                   if modules is None or m in modules)
+        return sum(_padded(p.shape, self.shards, p.module in self.dim1) for p in self.unit(block).params
+                   if modules is None or p.module in modules)
 
     @property
     def shard(self) -> int:
@@ -380,8 +254,8 @@ class Fsdp:
         Replicate gradient): FSDP2 lays it out as the weight (redistribute), this rank's v/t rows, and the table
         goes."""
         whole, rows = f"fsdp/{ROOT} grad model.embed_tokens", f"fsdp/{ROOT} grad model.embed_tokens (rows)"
-        tape.add(rows, TEMPORARIES, self.act * prod(self.unit(ROOT).shapes[0]), "this rank's rows of the embedding's"
-                 " gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
+        tape.add(rows, TEMPORARIES, self.act * prod(self.unit(ROOT).params[0].shape), "this rank's rows of the"
+                 " embedding's gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
         tape.mark("backward", where, "this rank's rows of the embedding's Replicate gradient")
         tape.drop(whole)
         return rows
@@ -405,7 +279,7 @@ class Fsdp:
         """foreach_reduce's first loop: each Shard(1) gradient chunked on dim 1 and concatenated on dim 0, a copy in
         the flat list; the originals, still referenced by the loop, go (measured) with the last one's copy, all but
         the last: its loop variable holds it until foreach_reduce returns. The Shard(1) gradients' names."""
-        dim1 = [n for n in (f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.dim1)
+        dim1 = [n for n in (f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.dim1)
                 if n in grads]  # in registration order, as FSDP2 loops over them
         for i, name in enumerate(dim1):
             tape.add(f"{name} (dim 0)", TEMPORARIES, tape.live[name].bytes, "a Shard(1) gradient's chunks"
@@ -424,7 +298,7 @@ class Fsdp:
             tape.live[name] = tape.live[name]._replace(category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
-        partial = [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]  # in order
+        partial = [f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.partial]  # in order
         reduced = {n: self.all_reduced(tape, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
         tape.drop(f"fsdp/{block} unsharded")
@@ -438,7 +312,7 @@ class Fsdp:
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
         # the last parameter in registration order with a gradient (tied, the hf root's is the final norm)
-        module = [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
+        module = [m for m, *_ in self.unit(block).params if modules is None or m in modules][-1]
         last = reduced.get(f"fsdp/{block} grad {module}", f"fsdp/{block} grad {module}")
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))

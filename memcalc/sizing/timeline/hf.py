@@ -30,7 +30,8 @@ from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline import hf_ln as ln
 from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
-from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, fuses_modules
+from memcalc.sizing.params import fuses_modules
+from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )

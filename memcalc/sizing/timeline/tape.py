@@ -17,7 +17,7 @@ from typing import NamedTuple
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.states import vocab_shard
+from memcalc.sizing.params import vocab_shard
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",

@@ -15,6 +15,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.evaluate import routed_slots
 from memcalc.model.impls import torchtitan as rules
+from memcalc.sizing.params import GROUPED_WEIGHTS
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
@@ -44,7 +45,6 @@ class Slots:
 
 # GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
 # FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
-GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 EXPERT_SWIGLU = (ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP, ledger.EXPERT_FC2_IN)
 
 

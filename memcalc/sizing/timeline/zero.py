@@ -46,7 +46,8 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.states import decays, zero_partition
-from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root, hf_stage_params
+from memcalc.sizing.params import Param
+from memcalc.sizing.timeline.fsdp import ROOT, hf_layer, hf_root, hf_stage_params
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
 )
@@ -72,24 +73,24 @@ class Zero:
     def __init__(self, config: ModelConfig) -> None:
         h = config.h
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
-        self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
+        self.layer, self.root = hf_layer(config, 1, 0).params, hf_root(config, 1).params
         self.threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
         params = hf_stage_params(config, stages(config.L, 1, None)[0], 1)
-        shapes = [shape for _, shape in params]
         # the Trainer's two parameter groups (with weight decay, and the norms and biases without), each partitioned
         # on its own; stage 3 (not measured) flattened whole
-        groups = ([x for x in params if decays(x[0])], [x for x in params if not decays(x[0])]) \
+        groups = ([x for x in params if decays(x.module)], [x for x in params if not decays(x.module)]) \
             if config.zero_stage < 3 else (params,)
-        self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
-        self.order = [(name, prod(shape)) for group in groups for name, shape in group]  # bit16_groups' order
+        self.groups = tuple([prod(p.shape) for p in group] for group in groups)
+        self.order = [(p.module, prod(p.shape)) for group in groups for p in group]  # bit16_groups' order
         # each parameter's place in its group's flat buffer: (a rank's partition of the group, start, elements)
         self.spans = {name: (self.partition(sizes), start, n) for sizes, group in zip(self.groups, groups)
-                      for (name, _), n, start in zip(group, sizes, itertools.accumulate(sizes, initial=0))}
+                      for (name, *_), n, start in zip(group, sizes, itertools.accumulate(sizes, initial=0))}
         self.after_backward = False  # the engine's reductions after loss.backward() returns: MemTracker's activations
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         # stage 3: parameters of the persistence threshold or fewer elements, kept whole (mark_persistent_parameters)
-        self.persistent = sum(prod(x) for x in shapes if prod(x) <= self.threshold) if config.zero_stage == 3 else 0
+        sizes = [prod(x.shape) for x in params]
+        self.persistent = sum(n for n in sizes if n <= self.threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
         self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
         self.filled = 0  # elements in the reduce bucket
@@ -113,8 +114,8 @@ class Zero:
     def _reaching(self, group: list[Param]) -> dict[str, int]:
         """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
-        sizes = [prod(shape) for _, shape in group]
-        return {name: n for (name, _), n, _ in zip(group, sizes, self._slices(sizes))}
+        sizes = [prod(p.shape) for p in group]
+        return {name: n for (name, *_), n, _ in zip(group, sizes, self._slices(sizes))}
 
     def _slices(self, sizes: list[int]) -> list[int]:
         """Stages 1 and 2: rank 0's part of each of a group's parameters (`sizes`, in order) that reaches into its
@@ -150,8 +151,8 @@ class Zero:
         if self.stage != 3:
             return
         tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
-        shapes = self.root if block == ROOT else self.layer
-        widest = max((prod(x) for x in shapes if prod(x) > self.threshold), default=0)  # all whole: none gathered
+        sizes = [prod(x.shape) for x in (self.root if block == ROOT else self.layer)]
+        widest = max((n for n in sizes if n > self.threshold), default=0)  # all whole: none gathered
         tape.add(f"{GATHERED} {block}", PARAMETERS, self.act * (widest + self.prefetch),
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 

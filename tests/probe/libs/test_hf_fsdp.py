@@ -174,7 +174,7 @@ def test_the_parameters_fsdp2_and_zero3_pad_are_the_familys_own_model_shape_by_s
     config = make_config(knobs, dp_shard=3)
     model, _ = causal_lm(config, "balanced" if config.moe else None, torch.float32, torch.device("meta"))
     shapes = sorted(tuple(x.shape) for x in model.parameters())
-    assert sorted(shape for unit in Fsdp.of(config, 1).units for shape in unit.shapes) == shapes
+    assert sorted(p.shape for unit in Fsdp.of(config, 1).units for p in unit.params) == shapes
     zero = Zero(make_config(knobs, zero_stage=3, dp=3))
     assert sorted(n for group in zero.groups for n in group) == sorted(map(prod, shapes))
 
