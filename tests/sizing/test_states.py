@@ -255,3 +255,11 @@ def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
     config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
     with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
         group_params(config, stages(config.L, 2, None)[0], 1)
+
+
+def test_transformers_mixtral_experts_carry_no_biases_whatever_add_bias_linear_says():
+    """MixtralExperts' gate_up_proj and down_proj have no biases (MixtralForCausalLM builds none, attention_bias or
+    not): the count is transformers' inventory's, which never listed them; it once added E*(2e + h) a layer."""
+    config = build_config(MOE | dict(impl="hf", family="mixtral", attention="eager", add_bias_linear=True))
+    params = group_params(config, stages(config.L, 1, None)[0], 1)
+    assert params["moe/experts"] == config.L * 8 * 3 * 96 * 64  # E experts' gate, up and down: (e, h) each
