@@ -192,7 +192,7 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none). GPT-2's Conv1D keeps each
     weight as (in, out)."""
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
-    mlp = hf_moe_parameters(c, t, f"{m}.mlp") if moe else _mlp(c, t, f"{m}.mlp")
+    mlp = _hf_moe(c, t, f"{m}.mlp") if moe else _mlp(c, t, f"{m}.mlp")
     norms = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
         "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
     params = (*attention, *mlp, *(x for n in norms for x in _norm(c, f"{m}.{n}")))
@@ -249,7 +249,7 @@ def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
             Param(f"{m}.o_proj", (c.h, a * dv), PROJ))
 
 
-def hf_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+def _hf_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     """A sparse MoE block's parameters in registration order (Qwen3-MoE registers its experts first), as this rank of
     t holds them: E/ep experts, their gate_up_proj packed_colwise and down_proj rowwise (their expert_ffn/t channels),
     the router and the shared expert whole. The experts' two weights are one module's: each is named by its own path
@@ -280,7 +280,7 @@ def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[
     MoE's), the two norms. Llama3 has no biases (add_bias_linear is refused), but a config's add_qkv_bias (Qwen's)
     is counted on wqkv as given (the step walk refuses it)."""
     qkv, o, f = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t
-    mlp = torchtitan_moe_parameters(c, t, f"{m}.moe") if moe else (
+    mlp = _torchtitan_moe(c, t, f"{m}.moe") if moe else (
         Param(f"{m}.feed_forward.w1", (f, c.h), FC1), Param(f"{m}.feed_forward.w2", (c.h, f), FC2),
         Param(f"{m}.feed_forward.w3", (f, c.h), FC1))
     attention = (*_linear(f"{m}.attention.qkv_linear.wqkv", qkv, c.h, c.add_qkv_bias, QKV),
@@ -288,7 +288,7 @@ def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[
     return (*attention, *mlp, *_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
 
 
-def torchtitan_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+def _torchtitan_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     """torchtitan's MoE's parameters in registration order, GroupedExperts' three one module's, each named by its own
     path: E/ep experts, their width split by etp; the router's gate whole; the shared experts split by t."""
     e, f, u = c.num_experts // c.ep, c.expert_ffn // etp(c, t), (c.moe_shared_expert_intermediate_size or 0) // t
