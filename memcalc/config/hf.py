@@ -64,7 +64,7 @@ def read_hf_config(path: Path) -> HfConfig:
         used.append((_source(raw, present, value, written), row.target or row.note, value))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(dict.fromkeys(missing))}")
-    _check_sparse_layers(raw, fields, path, family.name)
+    _check_sparse_layers(raw, path)
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
     return HfConfig(family.name, fields, tuple(used), tuple(assumed))
@@ -175,14 +175,9 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
     )
 
 
-def _check_sparse_layers(raw: dict[str, Any], fields: dict[str, Any], path: Path, family: str) -> None:
-    """Qwen2-MoE's and Qwen3-MoE's sparse layers: every decoder_sparse_step-th, none listed in mlp_only_layers.
-    memcalc counts ceil(L/freq) MoE layers (Megatron-LM's i % freq == 0), Qwen L/step: equal only when step
-    divides L."""
+def _check_sparse_layers(raw: dict[str, Any], path: Path) -> None:
+    """Qwen2-MoE's and Qwen3-MoE's sparse layers: every decoder_sparse_step-th (ModelConfig.is_moe_layer), none
+    listed in mlp_only_layers."""
     if raw.get("mlp_only_layers"):
         raise ConfigError(f"{path}: mlp_only_layers={short_repr(raw['mlp_only_layers'])} (dense layers at chosen"
                           " indices) is not modelled: memcalc places MoE layers every moe_layer_freq layers")
-    step, L = fields.get("moe_layer_freq"), fields["L"]
-    if type(step) is int and type(L) is int and step > 1 and L % step:
-        raise ConfigError(f"{path}: decoder_sparse_step={step} does not divide num_hidden_layers={L} ({family}"
-                          " then has fewer MoE layers than memcalc's every-freq-th count)")

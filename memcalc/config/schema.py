@@ -163,9 +163,12 @@ class ModelConfig(Knobs):
         return self.dp_shard is not None
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether layer i (0-based) has a MoE MLP: i % moe_layer_freq == 0 (Megatron-LM's rule), past the first
-        moe_first_dense_layers (DeepSeek's first_k_dense_replace). `moe_layers` counts them."""
-        return self.num_experts is not None and i >= (self.moe_first_dense_layers or 0) and i % self.moe_layer_freq == 0
+        """Whether layer i (0-based) has a MoE MLP: past the first moe_first_dense_layers (DeepSeek's
+        first_k_dense_replace), every moe_layer_freq-th, counted as the implementation counts: i % freq == 0
+        (Megatron-LM's moe_layer_freq), (i + 1) % freq == 0 under impl hf (Qwen2-MoE's decoder_sparse_step).
+        `moe_layers` counts them."""
+        first, shift = self.moe_first_dense_layers or 0, int(self.impl == "hf")
+        return self.num_experts is not None and i >= first and (i + shift) % self.moe_layer_freq == 0
 
     def rank_chunks(self, rank: int) -> list[range]:
         """The layers of each model chunk pipeline rank `rank` holds: torchtitan's one contiguous share
@@ -184,7 +187,8 @@ class ModelConfig(Knobs):
         if self.num_experts is None:
             return 0
         every, first = self.moe_layer_freq, minimum(self.moe_first_dense_layers or 0, self.L)  # L: or a sweep's array
-        return -(-self.L // every) - -(-first // every)  # the multiples of freq in [first, L)
+        shift = int(self.impl == "hf")
+        return -(-(self.L + shift) // every) - -(-(first + shift) // every)  # multiples of freq in [first, L) + shift
 
     @property
     def positions(self) -> int:
@@ -473,7 +477,7 @@ def check_experts(config: ModelConfig) -> None:
             raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
         return
     EXPERT_RULES[0].check(c)  # the top-k limit is the knobs' own (rules.check_moe)
-    if c.moe_layers == 0:  # layer i is MoE when i >= moe_first_dense_layers and i % moe_layer_freq == 0
+    if c.moe_layers == 0:  # ModelConfig.is_moe_layer picks none
         first = f"moe_first_dense_layers={c.moe_first_dense_layers}" if c.moe_first_dense_layers else ""
         freq = f"moe_layer_freq={c.moe_layer_freq}" if c.moe_layer_freq > 1 else ""
         raise ConfigError(f"{' with '.join(x for x in (first, freq) if x)} leaves none of the L={c.L} layers a MoE"

@@ -393,7 +393,7 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "moe_layer_freq", "size", 1, "one MoE layer every this many layers, dense MLPs between (layer i is MoE"
-        " when i % freq == 0)", _moe_knob("moe_layer_freq"),
+        " when i % freq == 0; impl hf: (i + 1) % freq, its decoder_sparse_step)", _moe_knob("moe_layer_freq"),
         effects=(({"num_experts": 8, "moe_layer_freq": 2},
                   "Every second layer is a MoE layer and the rest keep the dense MLP: per layer is the MoE layer's"
                   " formula; all L layers add ceil(L/2) of these and the rest dense."),),

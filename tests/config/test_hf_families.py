@@ -357,7 +357,9 @@ _SETTINGS = {
     "mistral": [{"tie_word_embeddings": True}],
     "qwen2": [{"tie_word_embeddings": True}],
     "qwen3": [{"tie_word_embeddings": False}],
-    "qwen2_moe": [{"qkv_bias": False}],
+    # decoder_sparse_step 2 at 3 and 5 layers: layer i sparse when 2 divides i + 1 (one and two sparse layers)
+    "qwen2_moe": [{"qkv_bias": False}, *({"decoder_sparse_step": 2, "num_hidden_layers": n} for n in (3, 5))],
+    "qwen3_moe": [{"decoder_sparse_step": 3, "num_hidden_layers": 5}],
     "gemma": [{"tie_word_embeddings": False}],
     "gemma3_text": [{"tie_word_embeddings": False}],
     "gpt2": [{"tie_word_embeddings": False}, {"n_inner": 100}],

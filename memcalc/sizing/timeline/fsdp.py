@@ -47,7 +47,6 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.params import EXPERTS, Param, hf_layer_params, part, torchtitan_layer_params
 from memcalc.sizing.pipeline import Stage
-from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 
 ROOT = "root"
@@ -73,7 +72,7 @@ class Unit:
 def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     """Decoder layer i's parameters (memcalc.sizing.params.hf_layer_params), the sparse block's where layer i has
     one."""
-    return Unit(f"layers.{i}", hf_layer_params(c, t, f"model.layers.{i}", sparse(c, i)), c.reshard_after_forward)
+    return Unit(f"layers.{i}", hf_layer_params(c, t, f"model.layers.{i}", c.is_moe_layer(i)), c.reshard_after_forward)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:

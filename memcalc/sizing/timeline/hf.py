@@ -181,7 +181,7 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
     plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in own), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                cohere.layer(i, z, config, saved, rope, made) if cohere.walks(config) else
-               _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
+               _layer(i, z, config, saved, made, block) if not config.moe or config.is_moe_layer(i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharded))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
@@ -412,9 +412,6 @@ def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
-        (config.L % config.moe_layer_freq != 0, f"L={config.L} layers that moe_layer_freq={config.moe_layer_freq}"
-                                                 " does not divide (transformers' decoder_sparse_step makes layer i"
-                                                 " sparse when freq divides i + 1; the model states count Megatron's)"),
         (tp and not moe.grouped(config), f"the eager loop's experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"

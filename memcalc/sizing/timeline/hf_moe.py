@@ -44,12 +44,6 @@ def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
             for e in range(experts)}
 
 
-def sparse(config: ModelConfig, i: int) -> bool:
-    """Whether layer i has the sparse block: decoder_sparse_step (moe_layer_freq; Mixtral's 1) divides i + 1, past
-    DeepSeek's first_k_dense_replace dense layers."""
-    return config.moe and (i + 1) % config.moe_layer_freq == 0 and i >= (config.moe_first_dense_layers or 0)
-
-
 def grouped(config: ModelConfig) -> bool:
     """Whether the experts run transformers' default grouped_mm (one storage a row), not the eager loop."""
     return config.experts_implementation == "grouped_mm"
