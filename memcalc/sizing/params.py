@@ -277,14 +277,12 @@ GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}  # GroupedExp
 
 def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, ...]:
     """A TransformerBlock's parameters in registration order: wqkv and wo, the feed-forward's w1, w2, w3 (or the
-    MoE's), the two norms. Llama3 has no biases (add_bias_linear is refused), but a config's add_qkv_bias (Qwen's)
-    is counted on wqkv as given (the step walk refuses it)."""
+    MoE's), the two norms; no biases (Llama3 has none: impl torchtitan refuses them)."""
     qkv, o, f = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t
     mlp = _torchtitan_moe(c, t, f"{m}.moe") if moe else (
         Param(f"{m}.feed_forward.w1", (f, c.h), FC1), Param(f"{m}.feed_forward.w2", (c.h, f), FC2),
         Param(f"{m}.feed_forward.w3", (f, c.h), FC1))
-    attention = (*_linear(f"{m}.attention.qkv_linear.wqkv", qkv, c.h, c.add_qkv_bias, QKV),
-                 Param(f"{m}.attention.wo", (c.h, o), PROJ))
+    attention = (Param(f"{m}.attention.qkv_linear.wqkv", (qkv, c.h), QKV), Param(f"{m}.attention.wo", (c.h, o), PROJ))
     return (*attention, *mlp, *_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
 
 

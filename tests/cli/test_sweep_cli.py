@@ -187,7 +187,7 @@ def test_an_ep_that_changes_torchtitans_expert_layout_is_refused_not_priced_as_e
     # torchtitan's MoE routes each TP rank's own s/t tokens at ep = t > 1; the sweep laid it out at ep = 1 and printed
     # 728,064 B where estimate says 726,336 B (--exact's top-k outputs whole), and priced ep=2 at t=4, which estimate
     # refuses
-    model = ("--config", "qwen1.5-moe-a2.7b", "--impl", "torchtitan", "--dropout", "0", "--b", "3", "--s", "16",
+    model = ("--config", "mixtral-8x7b", "--impl", "torchtitan", "--dropout", "0", "--b", "3", "--s", "16",
              "--t", "4", "--strategy", "tp", "--exact")
     _one_line_error(invoke("sweep", *model, "--ep", ep), needle)
     assert invoke("sweep", *model, "--ep", "1").exit_code == 0

@@ -195,6 +195,7 @@ def test_impl_torchtitan_refuses_the_pipelines_it_does_not_run(layout, message):
 @pytest.mark.parametrize("knobs, message", [
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute, but its Llama3"),
     ({"add_bias_linear": True}, "add_bias_linear True is not in torchtitan's Llama3"),
+    ({"add_qkv_bias": True}, "add_qkv_bias True is not in torchtitan's Llama3"),  # Qwen1.5-MoE's: counted on wqkv
 ])
 def test_impl_torchtitan_refuses_the_tensors_its_llama3_does_not_have(knobs, message):
     """--totals counted a position table and the linears' biases among torchtitan's parameters (its step walk refused

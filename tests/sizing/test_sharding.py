@@ -180,15 +180,3 @@ def test_fsdp2_pads_torchtitans_experts_under_tp_as_it_pads_them_without():
     rows = 51 * 64  # tok_embeddings and lm_head: ceil(101/2) = 51 rows, a multiple of 3
     block = 96 * 64 + 66 * 32 + 3 * 6 * 24 * 64 + 6 * 64 + 2 * 66  # wqkv, wo, w1 w2 w3 (f/t = 24), router, norms
     assert per_parameter_shards(config, 2, held, stage) == ((2 * rows + block + 66) // 3, 0)
-
-
-def test_fsdp2_pads_a_wqkv_bias_a_config_gives_torchtitan():
-    """Qwen1.5-MoE's add_qkv_bias under --impl torchtitan: counted on wqkv, as the count did, and so padded with the
-    rest (the walk's list had no bias: --totals split the states evenly). dp_shard 3: each dim 0 to a multiple of 3."""
-    config = build_config(dict(b=1, s=16, h=64, a=4, L=1, vocab_size=101, ffn_hidden_size=48, add_qkv_bias=True,
-                               impl="torchtitan", dp_shard=3))
-    (stage,) = pipeline_stages(config)
-    held = sum(group_params(config, stage, 1).values())
-    ends = 2 * 102 * 64 + 66  # tok_embeddings and lm_head (101 rows to 102), norm
-    block = 192 * 64 + 192 + 66 * 64 + 2 * 48 * 64 + 66 * 48 + 2 * 66  # wqkv and its bias, wo, w1 w3, w2, norms
-    assert per_parameter_shards(config, 1, held, stage) == ((ends + block) // 3, 0)

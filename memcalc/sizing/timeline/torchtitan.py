@@ -156,7 +156,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings and config.dp_shard is not None,
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
-        (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
         # the probe runs a stage on a fake group of pp ranks (memcalc.probe.libs.torchtitan_pp), with no mesh for tp
