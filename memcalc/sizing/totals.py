@@ -153,11 +153,11 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
     parameters of stage3_param_persistence_threshold elements or fewer whole too; Megatron-LM's distributed optimizer
     pads each parameter and bucket of its flat buffers (states.megatron_buffers). The elements of this rank's
     shards (the fullest rank's) and of those kept whole (Megatron's: the buffers), summed over the step walk's
-    inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers
-    model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks), each on one rank of
-    t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that inventory (a
-    pipeline stage under FSDP2)."""
-    from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
+    inventory of the stage's parameters (memcalc.sizing.timeline.fsdp.stage_params, zero.Zero's: each family's its
+    transformers model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks), each
+    on one rank of t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that
+    inventory."""
+    from memcalc.sizing.timeline.fsdp import Fsdp, Unit, stage_params  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
@@ -167,7 +167,7 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
         return (shard, whole) if sum(sum(x) for x, _ in dense + experts) == params else None
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
-        fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))
+        fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c), units=(Unit(stage.name, stage_params(c, stage, t), False),))
         return (fsdp.shard, 0) if sum(prod(x) for u in fsdp.units for x in u.shapes) == params else None
     if c.zero_stage == 3:
         zero = Zero(c)
@@ -182,7 +182,8 @@ def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Ter
     copies = stage.chunks_in_flight * implementation(config).model_wide_copies(config, chunk)
     if not layer.dense_layers:
         return Term("layers", ACTIVATIONS, layer.layers_bytes(stage.layer_slots, 0, copies), stage.schedule)
-    moe = stage.layer_slots * moe_layers_held(config, stage) // stage.layers  # every chunk holds the same share
+    # every chunk holds the same share (torchtitan's pipeline may give a stage no layer: none then)
+    moe = stage.layer_slots * moe_layers_held(config, stage) // max(stage.layers, 1)
     dense = stage.layer_slots - moe
     return Term("layers", ACTIVATIONS, layer.layers_bytes(moe, dense, copies),
                 f"{stage.schedule}; {moe} of them MoE layers, {dense} dense")

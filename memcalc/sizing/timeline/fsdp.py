@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.impls import hf as rules
+from memcalc.model.impls.torchtitan import expert_dim1
 from memcalc.model.knobs import DTYPE_BYTES, GATED
-from memcalc.sizing.pipeline import Stage
+from memcalc.sizing.pipeline import Stage, stage_rank
 from memcalc.sizing.states import head_bias, mlp_bias, norm_shapes, vocab_shard
 from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
@@ -184,10 +185,11 @@ def _embedding(c: ModelConfig, t: int) -> tuple[Param, ...]:
 
 
 def _output(c: ModelConfig, t: int) -> tuple[Param, ...]:
-    """The final norm and lm_head (unless tied; GPT-J's bias, tied or not), v/t rows each under tp."""
+    """The final norm and lm_head (unless tied on one stage: with several the last keeps a copy, as
+    memcalc.sizing.states counts it; GPT-J's bias, tied or not), v/t rows each under tp."""
     rows = vocab_shard(c, t)
     bias = (("lm_head.bias", (rows,)),) if head_bias(c) else ()
-    return (*_norm(c, "model.norm"), *(() if c.tie_embeddings else (("lm_head", (rows, c.h)),)), *bias)
+    return (*_norm(c, "model.norm"), *(() if c.tie_embeddings and c.pp == 1 else (("lm_head", (rows, c.h)),)), *bias)
 
 
 def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
@@ -195,6 +197,17 @@ def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
     memcalc.sizing.states.check_expert_states), the embedding's on the first, the output's on the last."""
     layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
     return (*(_embedding(c, t) if stage.has_embedding else ()), *layers, *(_output(c, t) if stage.has_output else ()))
+
+
+def stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
+    """The parameters FSDP2 shards on one rank of t of a pipeline stage: transformers' `hf_stage_params`; torchtitan's
+    chunk, which its pipeline_llm cuts out of the whole model (_split_module keeps the rank's blocks, tok_embeddings
+    on the first, norm and lm_head on the last) and its apply_fsdp_to_decoder shards as the whole model's units."""
+    if c.impl == "hf":
+        return hf_stage_params(c, stage, t)
+    ends = {"tok_embeddings": stage.has_embedding, OUTPUT: stage.has_output}
+    held = {f"layers.{i}" for i in c.rank_chunks(stage_rank(stage.name, c.pp))[0]}
+    return tuple(x for u in torchtitan_units(c, t) if ends.get(u.name, u.name in held) for x in u.params)
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -212,7 +225,7 @@ def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
 
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
-        mlp = torchtitan_moe_parameters(c, f"{m}.moe") if c.is_moe_layer(i) else (
+        mlp = torchtitan_moe_parameters(c, t, f"{m}.moe") if c.is_moe_layer(i) else (
             (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)), (f"{m}.feed_forward.w3", (f, c.h)))
         attention = ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, o)))
         norms = ((f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,)))
@@ -222,20 +235,16 @@ def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
             Unit(OUTPUT, (("norm", (c.h,)), *(() if c.tie_embeddings else (("lm_head", (v, c.h)),))), False))
 
 
-def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1), GroupedExperts' three one module's, each
-    named by its own path."""
-    e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
+def torchtitan_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+    """torchtitan's MoE's parameters in registration order (ep = 1), GroupedExperts' three one module's, each named
+    by its own path, as this rank of t holds them: its TP plan splits the experts' f_e and the shared experts' u
+    channels (w1, w3 colwise, w2 rowwise), the router whole."""
+    u, experts = (c.moe_shared_expert_intermediate_size or 0) // t, f"{m}.routed_experts"
+    e, f = c.num_experts, c.expert_ffn // t
     shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
               (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
     return ((f"{experts}.inner_experts.{W['w1']}", (e, f, c.h)), (f"{experts}.inner_experts.{W['w2']}", (e, c.h, f)),
             (f"{experts}.inner_experts.{W['w3']}", (e, f, c.h)), (f"{m}.router.gate", (e, c.h)), *shared)
-
-
-def expert_dim1(c: ModelConfig) -> bool:
-    """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
-    (dp_replicate x dp_shard) has more ranks than there are experts."""
-    return bool(c.moe) and (c.dp_replicate or 1) * (c.dp_shard or 1) > c.num_experts
 
 
 @dataclass(frozen=True)
