@@ -140,11 +140,11 @@ def _stage_total(
 
 def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
     """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
-    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
+    of the stage's parameters (memcalc.sizing.timeline.fsdp.stage_params: each family's model's, shape by
     shape)."""
-    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
+    from memcalc.sizing.timeline.fsdp import stage_params  # the timeline package imports this module
 
-    return sum(prod(shape) for name, shape in hf_stage_params(config, stage, t) if not decays(name))
+    return sum(prod(shape) for name, shape in stage_params(config, stage, t) if not decays(name))
 
 
 def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage) -> tuple[int, int] | None:

@@ -192,19 +192,16 @@ def _output(c: ModelConfig, t: int) -> tuple[Param, ...]:
     return (*_norm(c, "model.norm"), *(() if c.tie_embeddings and c.pp == 1 else (("lm_head", (rows, c.h)),)), *bias)
 
 
-def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
-    """The parameters one rank of t holds on a pipeline stage: its layers' (each chunk of a stage holds the same kinds:
-    memcalc.sizing.states.check_expert_states), the embedding's on the first, the output's on the last."""
-    layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
-    return (*(_embedding(c, t) if stage.has_embedding else ()), *layers, *(_output(c, t) if stage.has_output else ()))
-
-
 def stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
-    """The parameters FSDP2 shards on one rank of t of a pipeline stage: transformers' `hf_stage_params`; torchtitan's
-    chunk, which its pipeline_llm cuts out of the whole model (_split_module keeps the rank's blocks, tok_embeddings
-    on the first, norm and lm_head on the last) and its apply_fsdp_to_decoder shards as the whole model's units."""
+    """The parameters one rank of t holds on a pipeline stage, as FSDP2 and ZeRO shard them. transformers': its
+    layers' (each chunk of a stage holds the same kinds: memcalc.sizing.states.check_expert_states), the embedding's
+    on the first, the output's on the last. torchtitan's: the chunk its pipeline_llm cuts out of the whole model
+    (_split_module keeps the rank's blocks, tok_embeddings on the first, norm and lm_head on the last), which its
+    apply_fsdp_to_decoder shards as the whole model's units."""
     if c.impl == "hf":
-        return hf_stage_params(c, stage, t)
+        layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
+        return (*(_embedding(c, t) if stage.has_embedding else ()), *layers,
+                *(_output(c, t) if stage.has_output else ()))
     ends = {"tok_embeddings": stage.has_embedding, OUTPUT: stage.has_output}
     held = {f"layers.{i}" for i in c.rank_chunks(stage_rank(stage.name, c.pp))[0]}
     return tuple(x for u in torchtitan_units(c, t) if ends.get(u.name, u.name in held) for x in u.params)
