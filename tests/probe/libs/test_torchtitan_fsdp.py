@@ -218,19 +218,23 @@ STAGE_CASES = [
      | {"moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 10}, "tp-sp"),
     ({"pp": 2, "L": 3, "dp_shard": 3} | MOE | {"num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 48},
      "none"),
+    # its fsdp mesh is dp_shard*cp: 4 ranks above 2 experts shard them on dim 1 (memcalc padded E 2 -> 4: 3,450
+    # elements, measured 2,586)
+    ({"dp_shard": 2, "cp": 2, "attention": "flash", "s": 16} | MOE | {"num_experts": 2, "moe_router_topk": 1,
+                                                                     "moe_ffn_hidden_size": 24}, "none"),
 ]
 
 
 @pytest.mark.parametrize("changes, strategy", STAGE_CASES, ids=str)
 def test_on_each_pipeline_stage_the_totals_shards_are_fully_shards_of_that_stages_own_parameters(changes, strategy):
     """Each rank's chunk as torchtitan's pipeline_llm cuts it (_split_module), laid out by its own parallelize_llama
-    over dp_shard (under tp on its 2-D mesh): the elements of this rank's shards, each parameter's dim 0 padded, are
-    --totals' weights (which split the stage's sum evenly before, short by the padding)."""
+    over dp_shard (its fsdp mesh dp_shard*cp; under tp on its 2-D mesh): the elements of this rank's shards, each
+    parameter's dim 0 padded, are --totals' weights (which split a stage's sum evenly before, short by the padding)."""
     c = make_config(LLAMA3, **({"h": 24, "a": 6, "num_query_groups": 3, "vocab_size": 53, "ffn_hidden_size": 26,
                                 "b": 1, "s": 8} | changes))
     for stage in per_gpu(c, STRATEGIES[strategy]).stages:
         terms = {x.name: x.bytes for x in stage.terms}
-        shards = run_fake(_stage_shards, (c, stage_rank(stage.stage.name, c.pp), strategy), c.dp_shard * c.t)
+        shards = run_fake(_stage_shards, (c, stage_rank(stage.stage.name, c.pp), strategy), c.dp_shard * c.cp * c.t)
         assert 4 * shards == terms["states/weights"] == terms["states/adam_m"], stage.stage.name
 
 
@@ -244,7 +248,7 @@ def _stage_shards(group, config, rank: int, strategy: str) -> int:
     from memcalc.probe.libs import torchtitan as titan
     from memcalc.probe.libs.torchtitan_step import on_meta
 
-    whole = replace(config, pp=1)  # the fake group's world is this stage's dp_shard x t
+    whole = replace(config, pp=1)  # the fake group's world is this stage's dp_shard x cp x t
     with data_parallel(group, whole, STRATEGIES[strategy]) as dims:
         model = on_meta(whole, STRATEGIES[strategy].sequence_parallel, "balanced" if config.moe else None, False,
                         torch.float32)
@@ -259,7 +263,7 @@ def _stage_shards(group, config, rank: int, strategy: str) -> int:
 def test_experts_sharded_unevenly_on_dim_1_are_refused_in_one_line_as_fully_shard_refuses_them():
     """dp_shard above E shards the experts on dim 1 (apply_fsdp_to_decoder), whose f_e = 24 FSDP2 cannot split over 16
     ranks: memcalc refuses the config, as torchtitan's own layout raises."""
-    with pytest.raises(ConfigError, match="dp_shard=16 above num_experts=4: .* on dim 1 .f_e/t=24, h=64"):
+    with pytest.raises(ConfigError, match="dp_shard.cp=16 ranks above num_experts=4: .* on dim 1 .f_e/t=24, h=64"):
         make_config(LLAMA3, **MOE, dp_shard=16)
     c = replace(make_config(LLAMA3, **MOE, dp_shard=4), dp_shard=16)
     with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
