@@ -440,6 +440,9 @@ SHARDING_REFUSALS: tuple[tuple[Any, str], ...] = (
      "zero_stage={c.zero_stage} with distributed_optimizer: ZeRO shards the optimizer's states itself; give one"),
     (lambda c: c.distributed_optimizer and c.impl in ("hf", "torchtitan"),
      "distributed_optimizer is Megatron-LM's (impl megatron); impl {c.impl} shards with {own}"),
+    (lambda c: (c.zero_stage or 0) >= 2 and c.pp > 1,
+     "zero_stage={c.zero_stage} with pp={c.pp}: DeepSpeed's PipelineEngine asserts ZeRO-2 and ZeRO-3 are"
+     " incompatible with pipeline parallelism; use zero_stage 1 or pp 1"),
     (lambda c: c.zero_stage is not None and c.dp_shard is not None,
      "zero_stage={c.zero_stage} with dp_shard={c.dp_shard}: transformers' Trainer runs DeepSpeed or FSDP2, not both"),
     (lambda c: c.dp_shard is None and (not c.reshard_after_forward or c.reduce_dtype != "fp32"),

@@ -154,9 +154,18 @@ _LLAMA = (
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout",), default=0.0),
     _tied(False),
-    Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
+    Row("add_bias_linear", (), default=False),  # its biases hard-coded (none), or attention_bias's alone
 )
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
+# LlamaConfig's attention_bias and mlp_bias, the only layer that reads both (modeling_llama.py: LlamaAttention,
+# LlamaMLP); Mistral's, Mixtral's and Qwen2's hard-code their biases and read neither
+_LLAMA_BIASES = Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither)
+# attention_bias alone, on the attention's projections (q, k, v and o_proj; DeepSeek's q_a_proj, kv_a_proj_with_mqa
+# and o_proj), read by Qwen3's, Gemma's, OLMo's, Cohere's and DeepSeek-V3's attention, their MLPs never biased: no
+# knob counts that (add_bias_linear biases the MLP too)
+_UNBIASED_ATTENTION = _kept_nothing("attention_bias", _only("attention_bias", (False,), "biases on the attention's"
+                                    " projections alone: memcalc's add_bias_linear biases the MLP too"),
+                                    "false: no biases")
 
 
 def _positive_number(name: str, null: bool = False) -> Callable[[Any], Any]:
@@ -192,13 +201,13 @@ _GEMMA2_ONLY = (
     _LAYER_TYPES,
 )
 # OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
-_OLMO = (*_like(_LLAMA, Row("norm", (), default="layernorm_np")), _head_dim_row(),
+_OLMO = (*_like(_LLAMA, Row("norm", (), default="layernorm_np")), _head_dim_row(), _UNBIASED_ATTENTION,
          _kept_nothing("clip_qkv", _only("clip_qkv", (None,), "OLMo's in-place clamp of Q, K and V"),
                        "no clamp of Q, K and V"))
 # GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
 # heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
 _GEMMA = (*_like(_LLAMA, Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
-                 _norm_row("rms_norm_eps", "rmsnorm_1p"), _tied(True)), _head_dim_row(256))
+                 _norm_row("rms_norm_eps", "rmsnorm_1p"), _tied(True)), _head_dim_row(256), _UNBIASED_ATTENTION)
 # Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
 # keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
 # Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel).
@@ -206,10 +215,10 @@ _FULL_CAUSAL = _kept_nothing("use_sliding_window", _checked(lambda value: value 
                              " modelled (memcalc models full causal attention in every layer)"),
                              "full causal attention in every layer")
 _QWEN2 = (*_LLAMA_HEADS, _FULL_CAUSAL)
-_QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL)
+_QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL, _UNBIASED_ATTENTION)
 # DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
 _DEEPSEEK = (
-    *_LLAMA,
+    *_LLAMA, _UNBIASED_ATTENTION,
     Row("q_lora_rank", ("q_lora_rank",), default=None),  # null: the query is projected from x (DeepSeek-V2-Lite)
     Row("kv_lora_rank", ("kv_lora_rank",)),
     Row("qk_rope_head_dim", ("qk_rope_head_dim",)),
@@ -282,7 +291,7 @@ _QWEN2_MOE = (
 # moe_intermediate_size without a shared expert (the others a dense MLP of intermediate_size); its class defaults are
 # Qwen3-30B-A3B's but for norm_topk_prob (false in the class, true in that model's config.json).
 _QWEN3_MOE = (
-    *_LLAMA, _head_dim_row(), _FULL_CAUSAL,
+    *_LLAMA, _head_dim_row(), _FULL_CAUSAL, _UNBIASED_ATTENTION,
     Row("num_experts", ("num_local_experts",)),  # Qwen3MoeConfig's attribute; older config.json files say num_experts
     Row("moe_router_topk", ("num_experts_per_tok",), default=8),
     Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
@@ -365,6 +374,7 @@ _STARCODER2 = (
     _tied(True),
     Row("add_bias_linear", ("use_bias",), _flag("use_bias"), default=True),
     _window(None),
+    _head_dim_row(),  # Starcoder2Attention: getattr(config, "head_dim", None) or h/a
 )
 
 
@@ -406,7 +416,7 @@ def _whole_heads_or_share(values: list[Any]) -> float | None:
 # Phi3Config (Phi-3, Phi-3.5, Phi-4): a Llama layer whose q, k and v are one qkv_proj and gate and up one gate_up_proj,
 # whose attention's and MLP's outputs are dropped out (resid_pdrop), and whose RoPE may rotate part of each head.
 _PHI3 = (
-    *_like(_LLAMA, drop=("dropout", "add_bias_linear")),
+    *_like(_LLAMA, drop=("dropout",)),
     _head_dim_row(),
     Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
     Row("rotary_percent", ("rope_parameters", "partial_rotary_factor"), default=None, combine=_whole_heads_or_share),
@@ -415,17 +425,11 @@ _PHI3 = (
 )
 
 
-# OLMo 2's and Cohere's attention_bias: biases on q, k, v and o_proj alone, which no knob counts (add_bias_linear
-# biases the MLP too)
-_UNBIASED_ATTENTION = _kept_nothing("attention_bias", _only("attention_bias", (False,), "biases on q, k, v and o_proj"
-                                    " alone: memcalc's add_bias_linear biases the MLP too"), "false: no biases")
-
-
 # Olmo2Config: a Llama layer without input norms, an Olmo2RMSNorm (its weight times the fp32 normalised input) on the
 # attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
 # biases whatever attention_bias says.
 _OLMO2 = (
-    *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w"), drop=("add_bias_linear",)),
+    *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w")),
     _head_dim_row(),
     _UNBIASED_ATTENTION,
 )
@@ -442,7 +446,7 @@ def _glm_rotary(rope: Any) -> float:
 # head (partial_rotary_factor, 0.5 unless said), its tables interleaved; heads of head_dim (128 by default).
 # Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
 _GLM = (
-    *_like(_LLAMA, drop=("add_bias_linear",)), _head_dim_row(128),
+    *_LLAMA, _head_dim_row(128),
     Row("add_qkv_bias", ("attention_bias",), _flag("attention_bias"), default=True),
     Row("rotary_percent", ("rope_parameters",), _glm_rotary, default=0.5),
 )
@@ -541,7 +545,7 @@ _BLOOM = (
 # SwiGLU, side by side on one CohereLayerNorm (LayerNorm without bias, in fp32) whose output both read, summed into the
 # residual together; use_qk_norm (Command R+) adds a CohereLayerNorm on each query and key head; embeddings tied.
 _COHERE = (
-    *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True), drop=("add_bias_linear",)),
+    *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True)),
     _head_dim_row(),
     Row("qk_layernorm", ("use_qk_norm",), _flag("use_qk_norm"), default=False),
     _UNBIASED_ATTENTION,
@@ -651,7 +655,8 @@ _GPT2_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _like(_LLAMA_HEADS, _LLAMA_BIASES),
+               _ROPE),
         Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
         Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
                _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases

@@ -141,11 +141,11 @@ def _stage_total(
 
 def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
     """Of `group_params`' counts, the Trainer's group without weight decay (`decays`), over the step walk's inventory
-    of the stage's parameters (memcalc.sizing.timeline.fsdp.hf_stage_params: each family's model's, shape by
+    of the stage's parameters (memcalc.sizing.timeline.fsdp.stage_params: each family's model's, shape by
     shape)."""
-    from memcalc.sizing.timeline.fsdp import hf_stage_params  # the timeline package imports this module
+    from memcalc.sizing.timeline.fsdp import stage_params  # the timeline package imports this module
 
-    return sum(prod(p.shape) for p in hf_stage_params(config, stage, t) if not decays(p.module))
+    return sum(prod(p.shape) for p in stage_params(config, stage, t) if not decays(p.module))
 
 
 def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage) -> tuple[int, int] | None:
@@ -156,9 +156,9 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
     shards (the fullest rank's) and of those kept whole (Megatron's: the buffers), summed over the step walk's
     inventory of the parameters (memcalc.sizing.timeline.fsdp's units, zero.Zero's: each family's its transformers
     model's, shape by shape, as tests/probe/libs/test_hf_fsdp.py checks; states.megatron_chunks: memcalc.sizing.params),
-    each on one rank of t; None for a stack that shards a flat buffer unpadded, or where these `params` are not that
-    inventory (a pipeline stage under FSDP2)."""
-    from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
+    the stage's own (memcalc.sizing.timeline.fsdp.stage_params), each on one rank of t; None for a stack that shards a
+    flat buffer unpadded, or where these `params` are not that inventory."""
+    from memcalc.sizing.timeline.fsdp import Fsdp, Unit, stage_params  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
@@ -167,7 +167,7 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int, stage: Stage)
         return shard, whole
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
-        fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))
+        fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c), units=(Unit(stage.name, stage_params(c, stage, t), False),))
         return (fsdp.shard, 0) if sum(prod(p.shape) for u in fsdp.units for p in u.params) == params else None
     if c.zero_stage == 3:
         zero = Zero(c)
@@ -182,7 +182,8 @@ def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Ter
     copies = stage.chunks_in_flight * implementation(config).model_wide_copies(config, chunk)
     if not layer.dense_layers:
         return Term("layers", ACTIVATIONS, layer.layers_bytes(stage.layer_slots, 0, copies), stage.schedule)
-    moe = stage.layer_slots * moe_layers_held(config, stage) // stage.layers  # every chunk holds the same share
+    # every chunk holds the same share (torchtitan's pipeline may give a stage no layer: none then)
+    moe = stage.layer_slots * moe_layers_held(config, stage) // max(stage.layers, 1)
     dense = stage.layer_slots - moe
     return Term("layers", ACTIVATIONS, layer.layers_bytes(moe, dense, copies),
                 f"{stage.schedule}; {moe} of them MoE layers, {dense} dense")

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from memcalc.config.hf import read_hf_config
+from memcalc.config.schema import load_config
 from memcalc.sizing.timeline.hf import WALKED
 from memcalc.model.families import FAMILIES, UNREAD
 from memcalc.errors import ConfigError
@@ -431,8 +432,10 @@ def _counted_and_built(tmp_path, family: str, fields: dict) -> tuple[tuple[int, 
     ("gemma3_text", {"use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not modelled (memcalc counts causal decoder layers)"),
     ("cohere", {"logit_scale": "x"}, "logit_scale must be a number or null, got 'x'"),
-    *((family, {"attention_bias": True}, "attention_bias=True is not modelled (biases on q, k, v and o_proj alone:"
-       " memcalc's add_bias_linear biases the MLP too)") for family in ("cohere", "olmo2")),
+    *((family, {"attention_bias": True}, "attention_bias=True is not modelled (biases on the attention's projections"
+       " alone: memcalc's add_bias_linear biases the MLP too)") for family in ("cohere", "olmo2", "olmo", "qwen3",
+                                                                              "qwen3_moe", "gemma", "gemma2",
+                                                                              "gemma3_text", "deepseek_v3")),
     ("qwen2", {"use_sliding_window": True},
      "use_sliding_window=True is not modelled (memcalc models full causal attention in every layer)"),
     ("mistral", {"sliding_window": 0}, "sliding_window must be a positive whole number or null, got 0"),
@@ -457,3 +460,14 @@ def test_a_config_json_value_memcalc_has_not_measured_is_refused_in_its_own_word
     with pytest.raises(ConfigError) as refused:
         read_hf_config(path)
     assert str(refused.value) == f"{path}: {words}"
+
+
+def test_a_starcoder2_head_dim_is_read_and_refused_as_its_layer_has_none_modelled(tmp_path):
+    """Starcoder2Attention sizes its heads by config.head_dim where set (getattr(config, "head_dim", None) or h/a):
+    memcalc left it unread and counted h/a-wide heads; now it reads it, and impl hf refuses a head_dim in one line."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "starcoder2", "hidden_size": 32, "num_attention_heads": 4,
+                                "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 64, "head_dim": 16}))
+    assert read_hf_config(path).fields["kv_channels"] == 16
+    with pytest.raises(ConfigError, match="Starcoder2DecoderLayer has no kv_channels"):
+        load_config(path, {"impl": "hf", "s": 8}, base=read_hf_config(path).fields)

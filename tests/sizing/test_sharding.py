@@ -42,6 +42,8 @@ def test_dp_is_dp_replicate_times_dp_shard_and_the_replicas_are_derived():
      " Megatron-LM's (impl megatron); impl torchtitan shards with FSDP2 (dp_shard)"),
     ({"zero_stage": 3, "dp_shard": 2}, "zero_stage=3 with dp_shard=2: transformers' Trainer runs DeepSpeed or FSDP2,"
      " not both"),
+    ({"zero_stage": 3, "dp": 2, "pp": 2}, "zero_stage=3 with pp=2: DeepSpeed's PipelineEngine asserts ZeRO-2 and ZeRO-3"
+     " are incompatible with pipeline parallelism"),
     ({"reshard_after_forward": False}, "reshard_after_forward and reduce_dtype are FSDP2's: they need dp_shard"),
     ({"dp_replicate": 2}, "dp_replicate=2 needs dp_shard (HSDP replicates FSDP2 groups of dp_shard ranks)"),
     ({"dp": 8, "dp_shard": 3}, "dp=8 is not divisible by dp_shard=3 (HSDP's replicas are dp/dp_shard FSDP2 groups)"),

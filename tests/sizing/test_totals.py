@@ -213,6 +213,25 @@ def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_sha
     assert terms["states/grads"] == live["states/weights"]  # sharded as the weights (torchtitan's live between steps)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_fsdp2s_states_on_a_pipeline_stage_are_its_own_parameters_each_padded_on_dim_0(tied):
+    """hf at pp 2 (L 4, v 101) over dp_shard 3: each stage's shards are its own parameters', dim 0 padded to 3 (q 64
+    -> 66, k and v 16 -> 18, f 176 -> 177, v 101 -> 102 rows), the last stage's lm_head a copy even tied; they split
+    the stage's sum evenly before, 2,740 and 2,744 B of each state short)."""
+    config = build_config(LLAMA_HF | {"L": 4, "pp": 2, "dp_shard": 3, "vocab_size": 101, "tie_embeddings": tied})
+    layer = (66 + 18 + 18) * 64 + 66 * 64 + 2 * 177 * 64 + 66 * 176 + 2 * 66  # q k v, o, gate up, down, norms
+    first, last = (_terms(x)["states/weights"] for x in per_gpu(config, NONE).stages)
+    assert (first, last) == (4 * (2 * layer + 102 * 64) // 3, 4 * (2 * layer + 66 + 102 * 64) // 3)
+
+
+def test_a_torchtitan_stage_without_layers_beside_dense_and_moe_ones_keeps_no_layer_activations():
+    """pp 3 over L 3 gives torchtitan's last stage no layer (1, 2, 0); with MoE layers every other one, its layers'
+    term is 0 bytes (it divided by the stage's layers: ZeroDivisionError)."""
+    config = build_config(LLAMA_HF | MOE | {"impl": "torchtitan", "L": 3, "pp": 3, "moe_layer_freq": 2})
+    last = per_gpu(config, NONE).stages[-1]
+    assert (last.stage.layers, _terms(last)["layers"]) == (0, 0)
+
+
 def test_the_distributed_optimizers_buffers_are_counted_padded_as_megatron_core_pads_them():
     """megatron-core 0.16 starts each parameter at a multiple of 64 elements and pads the buffer to a multiple of
     lcm(dp, 128), every rank holding it whole (measured: tests/probe/libs/test_megatron_ddp.py): at h 250, v 509,

@@ -300,12 +300,23 @@ def check_sizes(config: Any) -> None:
     (`_gate_shaped`)."""
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
+    f, shards = config.expert_ffn // config.t, (config.dp_shard or 1) * config.cp
+    if expert_dim1(config) and (f % shards or config.h % shards):
+        raise ConfigError(f"impl torchtitan: dp_shard*cp={shards} ranks above num_experts={config.num_experts}: its"
+                          f" apply_fsdp_to_decoder shards the experts on dim 1 (f_e/t={f}, h={config.h}), which"
+                          " FSDP2 refuses uneven (NotImplementedError); pick dp_shard*cp dividing both")
     gate_shaped = _gate_shaped(config) if config.moe and config.recompute == "op" else ()
     if gate_shaped:
         raise ConfigError(f"impl torchtitan, recompute op: {gate_shaped[0]} has a weight of the router gate's shape,"
                           f" (h, E) = ({config.h}, {config.num_experts}), and SelectiveAC recomputes every matmul of"
                           " that shape (force_recompute_mm_shapes_by_fqns), shifting which of the others it saves: not"
                           " modelled; use recompute none or full")
+
+
+def expert_dim1(config: Any) -> bool:
+    """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
+    (dp_replicate x fsdp, its ParallelDims' fsdp = dp_shard*cp) has more ranks than there are experts."""
+    return bool(config.moe) and (config.dp_replicate or 1) * (config.dp_shard or 1) * config.cp > config.num_experts
 
 
 def _gate_shaped(config: Any) -> tuple[str, ...]:

@@ -123,16 +123,16 @@ def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelC
 
 @contextmanager
 def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Any]:
-    """torchtitan's ParallelDims over the fake group's world (dp_replicate x dp_shard x t, this process rank 0), its
-    meshes built and current while inside, as in its trainer's train_context; on its "partial_dtensor" backend, the
-    one torch 2.13's fully_shard takes (docs/probe.md, "torchtitan's model under `--step`")."""
+    """torchtitan's ParallelDims over the fake group's world (dp_replicate x dp_shard x cp x t, this process rank 0),
+    its meshes built and current while inside, as in its trainer's train_context; on its "partial_dtensor" backend,
+    the one torch 2.13's fully_shard takes (docs/probe.md, "torchtitan's model under `--step`")."""
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     t = config.t if strategy.tensor_parallel else 1
     replicas = config.dp_replicate or 1
     backend = "partial_dtensor"
-    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=1, tp=t, pp=1, ep=1,
+    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=config.cp, tp=t, pp=1, ep=1,
                         world_size=tp.size, spmd_backend=backend)
     before = dist_utils.get_spmd_backend()
     dist_utils.set_spmd_backend(backend)  # the runtime's, which torchtitan's loss reads

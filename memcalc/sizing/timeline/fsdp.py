@@ -44,9 +44,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
+from memcalc.model.impls.torchtitan import expert_dim1
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.params import EXPERTS, Param, hf_layer_params, part, torchtitan_layer_params
-from memcalc.sizing.pipeline import Stage
+from memcalc.sizing.pipeline import Stage, stage_rank
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 
 ROOT = "root"
@@ -81,12 +82,19 @@ def hf_root(c: ModelConfig, t: int) -> Unit:
     return Unit(ROOT, (*part(c, t, "first"), *part(c, t, "last")), False)
 
 
-def hf_stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
-    """The parameters one rank of t holds on a pipeline stage: its layers' (each chunk of a stage holds the same kinds:
-    memcalc.sizing.states.check_expert_states), the embedding's on the first, the output's on the last."""
-    layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
-    return (*(part(c, t, "first") if stage.has_embedding else ()), *layers,
-            *(part(c, t, "last") if stage.has_output else ()))
+def stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
+    """The parameters one rank of t holds on a pipeline stage, as FSDP2 and ZeRO shard them. transformers': its
+    layers' (each chunk of a stage holds the same kinds: memcalc.sizing.states.check_expert_states), the embedding's
+    on the first, the output's on the last. torchtitan's: the chunk its pipeline_llm cuts out of the whole model
+    (_split_module keeps the rank's blocks, tok_embeddings on the first, norm and lm_head on the last), which its
+    apply_fsdp_to_decoder shards as the whole model's units."""
+    if c.impl == "hf":
+        layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
+        return (*(part(c, t, "first") if stage.has_embedding else ()), *layers,
+                *(part(c, t, "last") if stage.has_output else ()))
+    ends = {"tok_embeddings": stage.has_embedding, OUTPUT: stage.has_output}
+    held = {f"layers.{i}" for i in c.rank_chunks(stage_rank(stage.name, c.pp))[0]}
+    return tuple(x for u in torchtitan_units(c, t) if ends.get(u.name, u.name in held) for x in u.params)
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -103,12 +111,6 @@ def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
                    c.reshard_after_forward) for i in range(c.L))
     return (Unit("tok_embeddings", part(c, t, "first"), c.reshard_after_forward), *blocks,
             Unit(OUTPUT, part(c, t, "last"), False))
-
-
-def expert_dim1(c: ModelConfig) -> bool:
-    """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
-    (dp_replicate x dp_shard) has more ranks than there are experts."""
-    return bool(c.moe) and (c.dp_replicate or 1) * (c.dp_shard or 1) > c.num_experts
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
-from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
@@ -148,9 +148,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
                                                         " so w2 and wo gather their inputs and weights in backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
-         f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
-         f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
         (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
          " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),

@@ -47,7 +47,7 @@ from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.states import decays, zero_partition
 from memcalc.sizing.params import Param
-from memcalc.sizing.timeline.fsdp import ROOT, hf_layer, hf_root, hf_stage_params
+from memcalc.sizing.timeline.fsdp import ROOT, hf_layer, hf_root, stage_params
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
 )
@@ -76,7 +76,7 @@ class Zero:
         self.layer, self.root = hf_layer(config, 1, 0).params, hf_root(config, 1).params
         self.threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
-        params = hf_stage_params(config, stages(config.L, 1, None)[0], 1)
+        params = stage_params(config, stages(config.L, 1, None)[0], 1)
         # the Trainer's two parameter groups (with weight decay, and the norms and biases without), each partitioned
         # on its own; stage 3 (not measured) flattened whole
         groups = ([x for x in params if decays(x.module)], [x for x in params if not decays(x.module)]) \

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from memcalc.config.hf import read_hf_config
+from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.families import FAMILIES  # noqa: E402
 from memcalc.config.schema import load_config  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
@@ -125,4 +126,30 @@ def test_falcons_model_states_count_the_parameters_of_falcon_for_causal_lm(tmp_p
     path = tmp_path / "config.json"
     config = load_config(path, {"impl": "hf", "attention": "eager"}, base=read_hf_config(path).fields)
     model = transformers.FalconForCausalLM(hf_config)
+    assert total_params(config) == sum(p.numel() for p in model.parameters())
+
+
+# Which families read attention_bias and mlp_bias, as their modeling files build the linears: Llama both; Mistral,
+# Mixtral, Qwen2 and Qwen2-MoE neither (hard-coded); Qwen3, Qwen3-MoE, Gemma's, OLMo's, OLMo 2's, Cohere's and
+# DeepSeek-V3's attention_bias alone, on the attention's projections (refused: memcalc's add_bias_linear biases the
+# MLP too); GLM's attention_bias on q, k and v (add_qkv_bias)
+BIASED = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "glm", "glm4"}
+UNBIASED_ATTENTION = {"qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "cohere", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("family", sorted(BIASED | UNBIASED_ATTENTION))
+def test_attention_bias_and_mlp_bias_count_the_biases_the_familys_own_model_has_or_are_refused(tmp_path, family):
+    """memcalc read both for every Llama-like family: Mistral's, Mixtral's and Qwen2's MLPs and o_proj it biased
+    (their models have none), Qwen3's and Gemma's MLPs too (the model biases the attention alone)."""
+    getattr(transformers, FAMILIES[family].config_class)(**WRITTEN[family], attention_bias=True, mlp_bias=True,
+                                                            pad_token_id=None).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    if family in UNBIASED_ATTENTION:
+        with pytest.raises(ConfigError, match="attention_bias=True is not modelled .biases on the attention's"):
+            read_hf_config(path)
+        return
+    from memcalc.sizing.states import total_params
+    config = load_config(path, {"impl": "hf", "attention": "eager"}, base=read_hf_config(path).fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
     assert total_params(config) == sum(p.numel() for p in model.parameters())

@@ -5,6 +5,8 @@ under torch's FSDPMemTracker, against the torchtitan step timeline with FSDP2's 
 (memcalc.sizing.timeline.fsdp): the peak, each category at it and the state between steps to the byte, the peak's
 moment, and every moment in order; also under its FullAC and SelectiveAC."""
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("torch")
@@ -17,6 +19,7 @@ from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker  # noqa: E402
 from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import categories, measure_step  # noqa: E402
+from memcalc.sizing.pipeline import stage_rank  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
 
@@ -180,7 +183,6 @@ def test_with_experts_every_moment_is_fsdpmemtrackers(one_thread, changes):
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
     ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
-    (MOE | {"dp_shard": 16}, "none", "dp_shard=16 for num_experts=4 with f_e=24"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
@@ -203,3 +205,66 @@ def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_fsdpmemtrackers(o
     (r,) = measure_step(config, [strategy])
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# Pipeline stages under FSDP2: h 24 over 6 heads in 3 K/V groups, v 53, f 26, L not divisible by pp; experts under
+# tp (each rank's f_e/t and u/t), and on dim 1 (dp_shard above E, f_e and h dividing it)
+STAGE_CASES = [
+    ({"pp": 2, "L": 3, "dp_shard": 3}, "none"),
+    ({"pp": 4, "L": 2, "dp_shard": 5}, "none"),  # 0, 1, 1, 0 layers
+    ({"pp": 3, "L": 7, "dp_shard": 3, "ffn_hidden_size": 40} | MOE | {"moe_layer_freq": 2, "moe_ffn_hidden_size": 16},
+     "none"),
+    ({"pp": 2, "L": 3, "dp_shard": 3, "t": 2, "num_query_groups": 2, "ffn_hidden_size": 26} | MOE
+     | {"moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 10}, "tp-sp"),
+    ({"pp": 2, "L": 3, "dp_shard": 3} | MOE | {"num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 48},
+     "none"),
+    # its fsdp mesh is dp_shard*cp: 4 ranks above 2 experts shard them on dim 1 (memcalc padded E 2 -> 4: 3,450
+    # elements, measured 2,586)
+    ({"dp_shard": 2, "cp": 2, "attention": "flash", "s": 16} | MOE | {"num_experts": 2, "moe_router_topk": 1,
+                                                                     "moe_ffn_hidden_size": 24}, "none"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy", STAGE_CASES, ids=str)
+def test_on_each_pipeline_stage_the_totals_shards_are_fully_shards_of_that_stages_own_parameters(changes, strategy):
+    """Each rank's chunk as torchtitan's pipeline_llm cuts it (_split_module), laid out by its own parallelize_llama
+    over dp_shard (its fsdp mesh dp_shard*cp; under tp on its 2-D mesh): the elements of this rank's shards, each
+    parameter's dim 0 padded, are --totals' weights (which split a stage's sum evenly before, short by the padding)."""
+    c = make_config(LLAMA3, **({"h": 24, "a": 6, "num_query_groups": 3, "vocab_size": 53, "ffn_hidden_size": 26,
+                                "b": 1, "s": 8} | changes))
+    for stage in per_gpu(c, STRATEGIES[strategy]).stages:
+        terms = {x.name: x.bytes for x in stage.terms}
+        shards = run_fake(_stage_shards, (c, stage_rank(stage.stage.name, c.pp), strategy), c.dp_shard * c.cp * c.t)
+        assert 4 * shards == terms["states/weights"] == terms["states/adam_m"], stage.stage.name
+
+
+def _stage_shards(group, config, rank: int, strategy: str) -> int:
+    """Elements of this rank's FSDP2 shards of pipeline rank `rank`'s chunk, on the meta device."""
+    import torch
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import pipeline_parallel
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    from memcalc.probe.libs import torchtitan as titan
+    from memcalc.probe.libs.torchtitan_step import on_meta
+
+    whole = replace(config, pp=1)  # the fake group's world is this stage's dp_shard x cp x t
+    with data_parallel(group, whole, STRATEGIES[strategy]) as dims:
+        model = on_meta(whole, STRATEGIES[strategy].sequence_parallel, "balanced" if config.moe else None, False,
+                        torch.float32)
+        names = pipeline_parallel._generate_llm_fqn_per_model_part(config.pp, config.L, 1, 1)
+        chunk = pipeline_parallel._split_module(model, names[rank])
+        parallelize_llama(chunk, parallel_dims=dims, compile_config=CompileConfig(), ac_config=titan.ac_config(whole),
+                          dump_folder="", training=TrainingConfig(), parallelism=ParallelismConfig(
+                              spmd_backend=dims.spmd_backend))
+        return sum(x.to_local().numel() for x in chunk.parameters())
+
+
+def test_experts_sharded_unevenly_on_dim_1_are_refused_in_one_line_as_fully_shard_refuses_them():
+    """dp_shard above E shards the experts on dim 1 (apply_fsdp_to_decoder), whose f_e = 24 FSDP2 cannot split over 16
+    ranks: memcalc refuses the config, as torchtitan's own layout raises."""
+    with pytest.raises(ConfigError, match="dp_shard.cp=16 ranks above num_experts=4: .* on dim 1 .f_e/t=24, h=64"):
+        make_config(LLAMA3, **MOE, dp_shard=16)
+    c = replace(make_config(LLAMA3, **MOE, dp_shard=4), dp_shard=16)
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
+        run_fake(_stage_shards, (replace(c, pp=1), 0, "none"), 16)

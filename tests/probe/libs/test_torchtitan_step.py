@@ -317,14 +317,6 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
     assert r.measured.moment == r.predicted_moment and r.matches
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"dp_shard": 16}, "dp_shard=16 for num_experts=4 with f_e=24"),
-])
-def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
-    with pytest.raises(ConfigError, match=named):
-        timeline(make_config(LLAMA3, **(MOE | changes)), STRATEGIES["none"], CPU)
-
-
 # -- with experts under its own TP plan (set_moe_sharding_config) at ep = 1, rank 0 of t = 2 through the fake group:
 # under SP the MoE's input all-gathered at its entry, the routed output (and the shared experts') reduce-scattered; under
 # tp the summed partial output all-reduced as the MoE returns; every expert e/t wide
