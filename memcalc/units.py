@@ -22,11 +22,11 @@ def minimum(x: Any, y: Any) -> Any:
 def human_bytes(n: int) -> str:
     """'2.67 GiB': the largest binary unit that keeps the number at least 1."""
     value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
             return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.2f} {_UNITS[-1]}"
 
 
 MAX_BYTES = 2**63 - 1  # bytes are int64 wherever memcalc counts them

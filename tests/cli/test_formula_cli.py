@@ -103,6 +103,12 @@ def test_formula_at_sizes_no_layout_runs_is_refused_as_estimate_refuses_them(arg
     one_line_error(memcalc_cli("estimate", "--h", "64", *args), needle)
 
 
+@pytest.mark.parametrize("args", [["--s", "128"], ["--a", "8"], ["--b", "2"], ["--t", "2"]])
+def test_formula_at_sizes_without_both_s_and_a_is_refused(args):
+    # a size given without --s and --a: the formula's per-rank sizes need both, so it names them, never a guess
+    one_line_error(memcalc_cli("formula", *args), "formula at given sizes needs --s and --a")
+
+
 def test_at_sizes_sequence_parallelism_cannot_split_all_leaves_it_out_with_a_note_as_estimate_does():
     for command in (("formula",), ("estimate", "--h", "64")):
         result = memcalc_cli(*command, "--s", "127", "--a", "8", "--t", "2")

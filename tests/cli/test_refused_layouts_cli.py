@@ -143,3 +143,9 @@ def test_measure_refuses_the_all_to_one_route_where_an_unpadded_capacity_caps_th
                       "--moe-expert-capacity-factor", "0.5")
     one_line_error(run, "--route all-to-one pins moe_tokens capacity only where no capacity caps it",
                    "moe_pad_expert_input_to_capacity")
+
+
+def test_moe_tokens_capacity_without_a_capacity_factor_is_refused():
+    # capacity counts the tokens each expert keeps after drops: without a factor no expert drops any
+    one_line_error(memcalc_cli("estimate", "--config", MIXTRAL, "--moe-tokens", "capacity"),
+                   "moe_tokens capacity needs moe_expert_capacity_factor")

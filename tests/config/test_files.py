@@ -34,6 +34,13 @@ def test_duplicate_json_keys_are_refused():
         parse_json('{"hidden_size": 1, "hidden_size": 2}')
 
 
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_json_nan_or_infinity_is_refused_not_read_as_a_float(constant):
+    # Python's json reads them as floats; a config.json holding one is not JSON, so it is refused by name
+    with pytest.raises(ConfigError, match=f"{constant} is not a JSON number"):
+        parse_json(f'{{"hidden_size": {constant}}}')
+
 @pytest.mark.parametrize("parse, text", [(parse_yaml, "[" * 100_000), (parse_json, "[" * 100_000)],
                          ids=["yaml", "json"])
 def test_nesting_100k_deep_is_refused_not_a_recursion_error(parse, text):
