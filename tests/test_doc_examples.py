@@ -9,8 +9,8 @@ that ends in `...` shows the first part of the output only.
 Rules for the few examples that cannot run as pasted:
 - `--out PATH` writes into a temporary directory (the page's PATH in the
   output stands for it), so that tracked images and files are never rewritten;
-- a command piped into another (`| python -c ...`) and `memcalc measure`, which
-  starts processes, run in a subprocess and are marked `procs`;
+- a command piped into another (`| python -c ...`) runs in a subprocess; it, and
+  `memcalc measure`, which starts processes, are marked `procs`;
 - docs/measured-<impl>.md are run, on each library, by
   tests/probe/libs/test_measured_docs.py.
 """
@@ -65,9 +65,8 @@ def _run(command: str, tmp_path: Path) -> tuple[str, str, list[tuple[str, str]]]
         at = args.index("--out") + 1
         moved.append((args[at], str(tmp_path / Path(args[at]).name)))
         args[at] = moved[-1][1]
-    if " | " in command or args[1] == "measure":
-        shell = shlex.join([sys.executable, "-m", *args]) if " | " not in command else command.replace(
-            "memcalc ", f"{shlex.quote(sys.executable)} -m memcalc ", 1)
+    if " | " in command:
+        shell = command.replace("memcalc ", f"{shlex.quote(sys.executable)} -m memcalc ", 1)
         done = subprocess.run(shell, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300,
                               env=os.environ | {"COLUMNS": "80"})
         return done.stdout, done.stderr, moved

@@ -1,6 +1,12 @@
 """MemTracker's reading after every op of one training step, and the check that a step timeline's moments are
 among those readings, in order (tests/probe/test_step.py, tests/probe/libs/test_hf_step.py)."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from memcalc.probe import step
 from memcalc.probe.step import MEASURED_CATEGORIES, MomentTracker, Trainer, categories
 from memcalc.sizing.timeline import Moment
 
@@ -54,6 +60,24 @@ def readings_after_every_op(trainer: Trainer, tracker: type[MomentTracker] = Mom
     with tracker:
         trainer.step()
     return tracker.readings
+
+
+@contextmanager
+def readings_of_the_measured_step() -> Iterator[list[tuple[str, dict[str, int]]]]:
+    """The readings after every op of the step `measure_step` measures inside the block: the MomentTracker
+    `measure_trainer` makes records them, so one model built and stepped serves both the peak's check and the
+    moments' (a second model, built and stepped only for its readings, cost a third of each such test). A measure that
+    makes no MomentTracker leaves the list empty, where no moment is found."""
+    readings: list[tuple[str, dict[str, int]]] = []
+
+    def recording() -> MomentTracker:
+        tracker = reading_every_op(MomentTracker)()
+        tracker.readings = readings
+        return tracker
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step, "MomentTracker", recording)
+        yield readings
 
 
 def assert_moments_in_order(moments: tuple[Moment, ...], readings: list[tuple[str, dict[str, int]]],

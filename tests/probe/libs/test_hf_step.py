@@ -21,7 +21,9 @@ from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeli
 
 from tests.helpers import GPT2_HF, LLAMA_HF as LLAMA, make_config  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+from ..step_readings import (  # noqa: E402
+    assert_moments_in_order, readings_after_every_op, readings_of_the_measured_step,
+)
 
 ATTENTIONS = ["eager", "flash"]  # transformers' attn_implementation "eager" and "sdpa"
 CPU = Accounting(exact=True, device="cpu")
@@ -32,10 +34,9 @@ LAYOUTS = ["none", "tp"]  # transformers runs no sequence parallelism (memcalc.m
 def _exact_step(config, layout: str, route: str | None = None):
     """The step of `config` under `layout`: every moment the walk names among MemTracker's readings, in order; the
     peak's moment, and every category at the peak and between steps, MemTracker's to the byte."""
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, route)))
-    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    with readings_of_the_measured_step() as readings:
+        (r,) = measure_step(config, [layout], route=route)
     assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout], route=route)
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     return r
@@ -286,12 +287,7 @@ def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_wi
     """transformers' plan gives each rank e/t of every expert, local tensors from the experts' start: their weights'
     gradients are handed over when the experts' backward ends, the input's and routing weights' all-reduced in
     place."""
-    config = make_config(LLAMA, attention=attention, **(base | changes))
-    readings = run_fake(lambda group: readings_after_every_op(warmed_up(group, config, route)), (), config.t)
-    assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
-    (r,) = measure_step(config, ["tp"], route=route)
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    _exact_step(make_config(LLAMA, attention=attention, **(base | changes)), "tp", route)
 
 
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------

@@ -21,7 +21,9 @@ from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+from ..step_readings import (  # noqa: E402
+    assert_moments_in_order, readings_after_every_op, readings_of_the_measured_step,
+)
 
 CPU = Accounting(exact=True, device="cpu")
 
@@ -431,13 +433,8 @@ FP32_CASES = [
 def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, changes, strategy, recompute):
     """Under FullAC and SelectiveAC too: the norm keeps the checkpoint's input itself, until its pow's backward."""
     config = make_config(LLAMA3, dtype="fp32", recompute=recompute, **changes)
-
-    def readings(tp):
-        with runtime(tp) as dims:
-            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
-
-    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1],
-                            run_fake(readings, (), config.t) if config.t > 1 else readings(single()))
-    (r,) = measure_step(config, [strategy])
+    with readings_of_the_measured_step() as readings:
+        (r,) = measure_step(config, [strategy])
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], readings)
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
