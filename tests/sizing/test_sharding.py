@@ -122,6 +122,25 @@ def test_the_trainers_group_without_weight_decay_holds_the_norms_and_the_biases(
     assert no_decay_params(config, stage, 1) == sum(p.numel() for n, p in model.named_parameters() if n not in decay)
 
 
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-30b-a3b", "gpt-oss-tiny", "deepseek-v3", "gpt2",
+                                  "falcon-7b", "qwen2-0.5b", "cohere-tiny"])
+def test_zero3s_largest_layer_is_deepspeeds_largest_module_a_moe_blocks_experts_one(name):
+    """ZeRO-3's transient is the module with the most parameters of its own, as DeepSpeed's model_to_params sums them
+    on transformers' own model built from the config.json: a MoE block's experts (one module's weights, every expert),
+    a fused projection with its bias, not only the embedding, an MLP projection or q_proj."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    path = Path(__file__).parents[1] / "data" / "hf" / f"{name}.json"
+    config = load_config(path, {"impl": "hf", "s": 8, "zero_stage": 3, "dp": 2, "attention": "eager"}, base=read_hf_config(path).fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            **json.loads(path.read_text())))
+    assert zero3_largest_layer(config) == 4 * model_to_params(model)[1]
+
+
 def test_fit_finds_the_largest_micro_batch_by_the_fsdp2_step_peak():
     from dataclasses import replace
 
