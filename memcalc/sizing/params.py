@@ -11,6 +11,8 @@ distributed optimizer shards their states over.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
 from typing import NamedTuple
 
 from memcalc.config.schema import ModelConfig
@@ -114,6 +116,16 @@ def part(c: ModelConfig, t: int, which: str) -> tuple[Param, ...]:
     weight = (Param(head, (rows, c.h), OUTPUT),) if not c.tie_embeddings or c.pp > 1 else ()
     bias = (Param(f"{head}.bias", (rows,), OUTPUT),) if c.impl == "hf" and layer_family(c).head_bias else ()
     return (*_norm(c, norm, group=FINAL_NORM), *weight, *bias)
+
+
+@lru_cache(maxsize=64)
+def layer_elements(c: ModelConfig, t: int) -> dict[str, int]:
+    """Each parameter of a layer (a dense one's and a MoE one's) by its path below the layer's ("self_attn.q_proj", a
+    bias "self_attn.q_proj.bias"): its elements on a rank of t, which the step walks' weight gradients read (kept:
+    a walk asks for every linear of every layer kind)."""
+    layer, path = _PARTS.get(c.impl, _PARTS["megatron"])[:2]
+    return {p.module.removeprefix(f"{path}."): prod(p.shape) for moe in (False, True) if c.moe or not moe
+            for p in layer(c, t, path, moe)}
 
 
 def _linear(m: str, out: int, features: int, bias: bool, group: ParamGroup) -> tuple[Param, ...]:
@@ -264,8 +276,9 @@ def _hf_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     experts = (Param(f"{x}.gate_up_proj", (e, 2 * f, c.h), EXPERTS), Param(f"{x}.down_proj", (e, c.h, f), EXPERTS))
     u = c.moe_shared_expert_intermediate_size
     gate = () if c.mla else (Param(f"{m}.shared_expert_gate", (1, c.h), SHARED),)  # DeepseekV3MoE's have none
-    shared = (Param(f"{m}.shared_expert.gate_proj", (u, c.h), SHARED), Param(f"{m}.shared_expert.up_proj", (u, c.h),
-              SHARED), Param(f"{m}.shared_expert.down_proj", (c.h, u), SHARED), *gate) if u else ()
+    s = f"{m}.shared_experts" if c.mla else f"{m}.shared_expert"  # DeepseekV3MoE's name, Qwen2MoeSparseMoeBlock's
+    shared = (Param(f"{s}.gate_proj", (u, c.h), SHARED), Param(f"{s}.up_proj", (u, c.h), SHARED),
+              Param(f"{s}.down_proj", (c.h, u), SHARED), *gate) if u else ()
     return (*experts, *router) if c.qk_layernorm else (*router, *experts, *shared)
 
 

@@ -352,8 +352,13 @@ def decays(name: str) -> bool:
 
 def zero3_largest_layer(config: ModelConfig) -> int:
     """DeepSpeed's ZeRO-3 estimator's transient: the largest module's own weights gathered, with their gradients,
-    4 bytes a parameter (bf16 each); the largest module of transformers' Llama is the embedding (or lm_head), an MLP
-    projection, or q_proj."""
-    c = config
-    widest = max(c.vocab_size * c.h, c.ffn * c.h, c.a * c.head_dim * c.h)
-    return 2 * DTYPE_BYTES[c.dtype] * widest
+    4 bytes a parameter (bf16 each), over transformers' inventory (memcalc.sizing.params), module by module as
+    model_to_params sums a module's own parameters: the embedding or lm_head, a projection with its bias, or a MoE
+    block's experts (one module's two or four weights)."""
+    kinds = ("first", "last", *(("dense",) if config.moe_layers < config.L else ()), *(("moe",) if config.moe else ()))
+    own: dict[str, int] = {}
+    for p in (p for which in kinds for p in part(config, 1, which)):
+        head, _, name = p.module.rpartition(".")
+        module = head if name in ("bias", "sinks") or head.endswith(".experts") else p.module  # a parent's parameter
+        own[module] = own.get(module, 0) + prod(p.shape)
+    return 2 * DTYPE_BYTES[config.dtype] * max(own.values())

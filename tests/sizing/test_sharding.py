@@ -11,6 +11,7 @@ import pytest
 from memcalc.config.hf import read_hf_config
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
+from memcalc.sizing.params import hf_layer_params
 from memcalc.sizing.pipeline import pipeline_stages
 from memcalc.sizing.states import group_params, sharding, state_bytes, total_params, zero3_largest_layer
 from memcalc.sizing.totals import no_decay_params, per_gpu, per_parameter_shards
@@ -104,22 +105,55 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     assert zero3_largest_layer(config) == largest_bytes
 
 
+def _built(name: str, **changes):
+    """The config.json `name` (tests/data/hf) as memcalc reads it under impl hf, and transformers' own model built
+    from it on the meta device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = Path(__file__).parents[1] / "data" / "hf" / f"{name}.json"
+    config = load_config(path, {"impl": "hf", "s": 8, "attention": "eager"} | changes, base=read_hf_config(path).fields)
+    with torch.device("meta"):
+        return config, transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            **json.loads(path.read_text())))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "qwen2-0.5b", "gpt-oss-tiny", "cohere-tiny", "olmo2-tiny", "starcoder2-tiny",
                                   "qwen3-30b-a3b"])
 def test_the_trainers_group_without_weight_decay_holds_the_norms_and_the_biases(name):
     """ZeRO-1/2 pads each of the Trainer's two parameter groups apart: the one without weight decay is what
     get_decay_parameter_names leaves out (norms, biases; gpt-oss's router and expert biases, not its sinks), counted
     on transformers' own model built from the config.json."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = Path(__file__).parents[1] / "data" / "hf" / f"{name}.json"
-    config = load_config(path, {"impl": "hf", "s": 8}, base=read_hf_config(path).fields)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-            **json.loads(path.read_text())))
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    config, model = _built(name)
+    decay = set(pytest.importorskip("transformers").Trainer.get_decay_parameter_names(None, model))
     (stage,) = pipeline_stages(config)
     assert no_decay_params(config, stage, 1) == sum(p.numel() for n, p in model.named_parameters() if n not in decay)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-0.5b", "qwen3-30b-a3b", "mixtral-tiny", "gpt-oss-tiny",
+                                  "deepseek-v3", "olmo2-tiny", "cohere-tiny", "gemma3-tiny", "starcoder2-tiny"])
+def test_transformers_layers_parameters_are_the_inventorys_by_name_and_shape(name):
+    """Each kind of decoder layer's parameters, path and shape, as transformers' model registers them (DeepseekV3MoE's
+    shared experts `mlp.shared_experts`, Qwen2-MoE's `mlp.shared_expert`): what the step walks' weight gradients and
+    FSDP2's and ZeRO's per-parameter shards read."""
+    config, model = _built(name)
+    for moe in {config.is_moe_layer(i) for i in range(config.L)}:
+        i = next(i for i in range(config.L) if config.is_moe_layer(i) == moe)
+        built = {n.removesuffix(".weight"): tuple(p.shape) for n, p in model.named_parameters()
+                 if n.startswith(f"model.layers.{i}.")}
+        assert {p.module: p.shape for p in hf_layer_params(config, 1, f"model.layers.{i}", moe)} == built
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-30b-a3b", "gpt-oss-tiny", "deepseek-v3", "gpt2",
+                                  "falcon-7b", "qwen2-0.5b", "cohere-tiny"])
+def test_zero3s_largest_layer_is_deepspeeds_largest_module_a_moe_blocks_experts_one(name):
+    """ZeRO-3's transient is the module with the most parameters of its own, as DeepSpeed's model_to_params sums them
+    on transformers' own model built from the config.json: a MoE block's experts (one module's weights, every expert),
+    a fused projection with its bias, not only the embedding, an MLP projection or q_proj."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    config, model = _built(name, zero_stage=3, dp=2)
+    assert zero3_largest_layer(config) == 4 * model_to_params(model)[1]
 
 
 def test_fit_finds_the_largest_micro_batch_by_the_fsdp2_step_peak():

@@ -353,7 +353,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     ran: list[Op] = []  # in the order autograd runs them
     late: list[Op] = []  # Gemma 3's q_norm and k_norm, run once all three projections have
     summed = into[0]
-    for name, width in (("v", kv), ("k", kv), ("q", q)):
+    for name, width in () if fused else (("v", kv), ("k", kv), ("q", q)):  # fused: `_fused_qkv`
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
         projected = made[name]
         if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
@@ -365,8 +365,9 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = (into[1] or f"{g}/ln1 output") if name == "q" else f"{dx} + {summed}"
-        lin = linear(f"self_attn.{name}_proj", ledger.QKV_IN, projected, z.act * width * z.h, dx, full, p, (tokens,),
-                     sums=(summed, out, full) if summed else None, reduced=tp, bias=z.act * width if qkv_bias else 0)
+        m = f"self_attn.{name}_proj"
+        lin = linear(m, ledger.QKV_IN, projected, z.weight(m), dx, full, p, (tokens,), sums=(summed, out, full)
+                     if summed else None, reduced=tp, bias=z.weight(f"{m}.bias") if qkv_bias else 0)
         ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
@@ -384,8 +385,9 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
         if math else _sdpa(p, z, saved)
     copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
-    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.act * q * z.h,
-                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if o_bias else 0)
+    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.weight("self_attn.o_proj"),
+                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (),
+                    bias=z.weight("self_attn.o_proj.bias") if o_bias else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(rowwise(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                                    frees=tuple(x.name for x in gone if x.keeps is None),
@@ -464,8 +466,8 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
             slices.append(Step("autograd sums the slices' gradients", (Made(out, z.full(width), "summed"),),
                                frees=(summed, f"{g}/qkv {name}"), moment=False))
         summed = out
-    lin = linear("self_attn.qkv_proj", ledger.QKV_IN, qkv, z.act * width * z.h, f"{g}/ln1 output", z.full(z.h), p,
-                 (summed,), reduced=tp)
+    lin = linear("self_attn.qkv_proj", ledger.QKV_IN, qkv, z.weight("self_attn.qkv_proj"), f"{g}/ln1 output",
+                 z.full(z.h), p, (summed,), reduced=tp)
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
@@ -804,7 +806,7 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     one gate_up_proj, chunked; `made_as`: down_proj's output's name; `into`: as `attention`'s, up's dX and gate's."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
-    w, full = z.act * f * z.h, z.full(z.h)
+    full = z.full(z.h)
     halves = kept_names(p, gate_in, up) if fused else ()  # one storage, gone as the MLP returns
     activation = Step("the activation", (kept(p, act_out),), reads_last=() if fused else kept_names(p, gate_in))
     silu = Op("mlp.activation_fn" if fused else "mlp.act_fn", (activation,), (
@@ -815,8 +817,8 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
-    down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
-                          (dy,) if dy else ()),
+    down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, z.weight("mlp.down_proj"), f"{g}/down_proj input",
+                          z.full(f), p, (dy,) if dy else ()),
                    forward=(rowwise(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
                                          reads_last=(*kept_names(p, ledger.FC2_IN, ledger.FC1_IN), *halves)),
                                     f"{p}/mlp partial", tp),))
@@ -824,14 +826,14 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
-        gate_up = linear("mlp.gate_up_proj", ledger.FC1_IN, None, 2 * w, f"{g}/ln2 output", full, p, (f"{g}/gate_up",),
-                         reduced=tp)
+        gate_up = linear("mlp.gate_up_proj", ledger.FC1_IN, None, z.weight("mlp.gate_up_proj"), f"{g}/ln2 output",
+                         full, p, (f"{g}/gate_up",), reduced=tp)
         return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
                 chunk, silu, product, down)
     residual, out = into
     summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
-    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
-                  sums=(summed, out or f"{g}/ln2 output", full), reduced=tp)
-    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
-                     sums=(residual, summed, full) if residual else None, reduced=tp)
+    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), z.weight("mlp.gate_proj"), f"{g}/gate_proj input",
+                  full, p, (f"{g}/gate",), sums=(summed, out or f"{g}/ln2 output", full), reduced=tp)
+    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), z.weight("mlp.up_proj"), f"{g}/up_proj input", full,
+                     p, (f"{g}/up",), sums=(residual, summed, full) if residual else None, reduced=tp)
     return gate, silu, up_proj, product, down

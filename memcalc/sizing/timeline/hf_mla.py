@@ -33,16 +33,16 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
     heads = a > 1 and z.s > 1  # a (b, a, s, x) view of a (b, s, a, x) output: reshaped back by a copy
     return (
         *_query(p, z, config, dq, heads),
-        linear("self_attn.kv_a_proj_with_mqa", ledger.QKV_IN, None, z.act * (kvr + dr) * z.h, f"{g}/kv_a input",
-               full, p, (f"{g}/kv latent",)),
+        linear("self_attn.kv_a_proj_with_mqa", ledger.QKV_IN, None, z.weight("self_attn.kv_a_proj_with_mqa"),
+               f"{g}/kv_a input", full, p, (f"{g}/kv latent",)),
         Op("self_attn", (), (Step("split's backward: the latent's and k_rot's gradients concatenated", (
             Made(f"{g}/kv latent", z.full(kvr + dr), "(b, s, r_kv + d_r)"),), frees=(f"{g}/kv norm input",
                                                                                   f"{g}/k rot"), moment=False),)),
         *layer.rms_norm("self_attn.kv_a_layernorm", p, rules.MLA_KV_RMS, z, f"{g}/kv_b_proj input",
                         f"{g}/kv norm input", width=kvr),
         *_rope(g, z, a, dr, p == "layers.0"),
-        linear("self_attn.kv_b_proj", ledger.MLA_KV_UP_IN, None, z.act * a * (dn + dv) * kvr, f"{g}/kv_b_proj input",
-               z.full(kvr), p, (f"{g}/kv up tokens" if heads else f"{g}/kv up heads",)),
+        linear("self_attn.kv_b_proj", ledger.MLA_KV_UP_IN, None, z.weight("self_attn.kv_b_proj"),
+               f"{g}/kv_b_proj input", z.full(kvr), p, (f"{g}/kv up tokens" if heads else f"{g}/kv up heads",)),
         Op("self_attn", (), (
             Step("split's backward: k_nope's and V's gradients concatenated", (Made(
                 f"{g}/kv up heads", z.full(a * (dn + dv)), "(b, a, s, d_n + d_v)"),), frees=(f"{g}/k nope",
@@ -52,7 +52,7 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
               if heads else ()))),
         *_key_copies(g, z, dn, dr),
         *_core(p, z, config, saved, dq, dv),
-        linear("self_attn.o_proj", ledger.MLA_PROJ_IN, None, z.act * a * dv * z.h, f"{g}/o_proj input",
+        linear("self_attn.o_proj", ledger.MLA_PROJ_IN, None, z.weight("self_attn.o_proj"), f"{g}/o_proj input",
                z.full(a * dv), p),
     )
 
@@ -71,14 +71,14 @@ def _query(p: str, z: Sizes, config: ModelConfig, dq: int, heads: bool) -> tuple
             q_tokens, z.full(z.a_t * dq), "a contiguous copy"),), frees=(f"{g}/q split",)),) if heads else ())),
         shadow="self_attn.kv_a_proj_with_mqa")
     if qr is None:
-        return (linear("self_attn.q_proj", ledger.QKV_IN, None, z.act * z.a_t * dq * z.h, f"{g}/q_proj input", full,
+        return (linear("self_attn.q_proj", ledger.QKV_IN, None, z.weight("self_attn.q_proj"), f"{g}/q_proj input", full,
                        p, (q_tokens,), sums=summed), split)
     return (
-        linear("self_attn.q_a_proj", ledger.QKV_IN, None, z.act * qr * z.h, f"{g}/q_a_proj input", full, p,
-               (f"{g}/q latent",), sums=summed),
+        linear("self_attn.q_a_proj", ledger.QKV_IN, None, z.weight("self_attn.q_a_proj"), f"{g}/q_a_proj input",
+               full, p, (f"{g}/q latent",), sums=summed),
         *layer.rms_norm("self_attn.q_a_layernorm", p, rules.MLA_Q_RMS, z, f"{g}/q_b_proj input", f"{g}/q latent",
                         width=qr),
-        linear("self_attn.q_b_proj", ledger.MLA_Q_UP_IN, None, z.act * z.a_t * dq * qr, f"{g}/q_b_proj input",
+        linear("self_attn.q_b_proj", ledger.MLA_Q_UP_IN, None, z.weight("self_attn.q_b_proj"), f"{g}/q_b_proj input",
                z.full(qr), p, (q_tokens,)),
         split,
     )

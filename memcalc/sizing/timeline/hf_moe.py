@@ -418,13 +418,13 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     mine = per_expert(e)
     last = e == 0
 
-    def gemms(proj: str, dy: str, dx: Made, dw: int, whole: int, saves: tuple[SavedTensor, ...]) -> Op:
-        """proj[e]'s GEMMs; select's backward puts dW in a zero (E, ...) tensor, summed with the experts' before; the
-        last expert's sum is handed to the parameter."""
-        sel = f"{g}/{proj} select"
+    def gemms(proj: str, dy: str, dx: Made, saves: tuple[SavedTensor, ...]) -> Op:
+        """proj[e]'s GEMMs, its dW one expert's of the (E, ...) parameter; select's backward puts dW in a zero
+        (E, ...) tensor, summed with the experts' before; the last expert's sum is handed to the parameter."""
+        sel, whole = f"{g}/{proj} select", z.weight(f"mlp.experts.{proj}_proj")
         made = Step(f"{proj}[e]'s GEMMs and select's backward", (
-            Made(f"{g}/{proj} dW", dw, "dW^T = x^T dY"), dx, Made(sel, whole, "the expert's dW in a zero (E, ...)"
-                                                                  " tensor")),
+            Made(f"{g}/{proj} dW", whole // experts, "dW^T = x^T dY"), dx,
+            Made(sel, whole, "the expert's dW in a zero (E, ...) tensor")),
             frees=(dy, f"{g}/{proj} dW"), moment=False, returns=True)
         summed = sums.add(f"{proj} weights", sel, whole, f"{proj}'s gradients summed: the sum, its two inputs")
         handed = (Step("", hands_over=(sums.current[f"{proj} weights"],)),) if last else ()
@@ -451,7 +451,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
                    f"{g}/weights zeros", f"{g}/combine dw"), moment=False, reduced=True),
         sums.add("routing weights", f"{g}/weights put", width * tokens * k))
     down = gemms("down", f"{g}/combine dY bf16", Made(f"{g}/down dX", act * r * f, "dY W, (r_e, e)"),
-                 act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))
+                 (mine[ledger.EXPERT_FC2_IN.name],))
     swiglu = _op("mlp.experts", tuple(mine[x.name] for x in (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
                                                               ledger.EXPERT_GATE)),
                  # a moment before the product's node returns (fp32 at long s and small h peaks here); SiLU's node
@@ -464,7 +464,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
                      Made(f"{g}/gate_up dY", act * r * 2 * f, "gate's and up's gradients concatenated")),
                      frees=(f"{g}/down dX", f"{g}/silu", f"{g}/gate", f"{g}/up"), moment=False))
     gate_up = gemms("gate_up", f"{g}/gate_up dY", Made(f"{g}/gate_up dX", act * r * z.h, "dY W, (r_e, h)"),
-                    act * z.h * 2 * f, act * experts * 2 * f * z.h, (mine[ledger.EXPERT_IN.name],))
+                    (mine[ledger.EXPERT_IN.name],))
     gather = _op("mlp.experts", (mine[rules.TOKEN_SLOTS.name],), Step("index's backward", (
         Made(f"{g}/input zeros", z.full(z.h), "a (b*s, h) zero tensor"),
         Made(f"{g}/input put", z.full(z.h), "the expert's dX at its tokens")),
@@ -504,7 +504,8 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
              frees=(f"{g}/sorted rows", f"{g}/weights dw rows"), reduced=True))
     biased = rules.SORTED_EXPERT_IDS in rules.moe_block(config)  # gpt-oss's: dY lives on for the bias's gradient
     down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
-        Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
+        Made(f"{g}/down dW", z.weight("mlp.experts.down_proj"), WHY_WGRAD),
+        Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
         frees=() if biased else (down_dy,), hands_over=() if tp else (f"{g}/down dW",)))
     product_swiglu = _op("mlp.experts", (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT),
                          Step("SiLU(gate) * up's backward: dY * SiLU(gate)", (Made(f"{g}/up", act * r * f, "up's"),)),
@@ -518,8 +519,8 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         Made(f"{g}/gate_up dY", act * r * 2 * f, "(k*b*s, 2e)"),), frees=(f"{g}/gate", f"{g}/up")))
     gate_up = _op("mlp.experts", (ledger.EXPERT_IN, rules.EXPERT_OFFSETS), Step(
         "gate_up_proj's grouped GEMMs: dW, then dX", (
-            Made(f"{g}/gate_up dW", act * experts * 2 * f * h, WHY_WGRAD), Made(f"{g}/gate_up dX", act * r * h,
-                                                                                "(k*b*s, h)")),
+            Made(f"{g}/gate_up dW", z.weight("mlp.experts.gate_up_proj"), WHY_WGRAD),
+            Made(f"{g}/gate_up dX", act * r * h, "(k*b*s, h)")),
         frees=() if biased else (f"{g}/gate_up dY",), hands_over=() if tp else (f"{g}/gate_up dW",)))
     weights = _op("mlp.experts", (rules.SORTED_SLOTS,), Step("indexing's backward: the weights' gradient in slots", (
         Made(f"{g}/weights zeros", width * r, "a zero (k*b*s,) tensor"),
@@ -551,7 +552,7 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         Made(f"{g}/logits fp32" if cast else f"{g}/logits", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False),
         *((Step("the fp32 softmax's backward", (Made(f"{g}/logits", z.act * tokens * experts, "back to bf16"),),
                 frees=(f"{g}/logits fp32",), moment=False),) if cast else ()))
-    gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
+    gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.weight("mlp.gate"), f"{g}/input",
                   z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
     return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.router(g, z, OUTPUT_GRAD if final else "")))]
 
@@ -566,7 +567,7 @@ def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                                                                              "(b*s, E) fp32"),),
                       frees=(sums.current["routing weights"],), moment=False))
     cast = z.act != 4  # hidden_states.type(float32): in fp32 a no-op, nor its backward
-    gate = linear("mlp.gate", rules.ROUTER_IN_FP32 if cast else ledger.MOE_IN, None, 4 * experts * z.h,
+    gate = linear("mlp.gate", rules.ROUTER_IN_FP32 if cast else ledger.MOE_IN, None, z.weight("mlp.gate", 4),
                   f"{g}/input fp32" if cast else f"{g}/input", z.tokens(4 * z.h), "", (f"{g}/logits",),
                   dw=f"{g}/weight")
     back = (Step("the input's cast to fp32: its backward", (Made(f"{g}/input", z.full(z.h), "dX back to bf16"),),
@@ -587,7 +588,8 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
     sigmoid = _op("mlp", (rules.SHARED_GATE_SIGMOID,), Step("sigmoid's backward", (
         Made(f"{g}/gate logits", z.act * tokens, "from its kept output"),), frees=(f"{g}/gate",), moment=False))
     sums.add("block input", f"{g}/gate dX", z.full(z.h))  # its first gradient: no sum
-    return [product, sigmoid, linear("mlp.shared_expert_gate", None, None, z.act * z.h, f"{g}/gate dX", z.full(z.h),
+    return [product, sigmoid, linear("mlp.shared_expert_gate", None, None, z.weight("mlp.shared_expert_gate"),
+                                     f"{g}/gate dX", z.full(z.h),
                                      "", (f"{g}/gate logits",), dw=f"{g}/gate weight")]
 
 
@@ -597,19 +599,18 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums, last: bool) -> li
     gradient."""
     g, s, u = f"{sums.stem}/shared", "mlp.shared_expert" if last else "mlp.shared_experts", \
         config.moe_shared_expert_intermediate_size
-    w = z.act * z.h * u
 
     def gemms(proj: str, dy: str, saves: tuple[SavedTensor, ...], final: bool) -> Op:
         """up_proj or gate_proj: dW and dX (Qwen2-MoE's: no moment), then dX summed into the block input's
         gradient."""
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
-        return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
-                                                 frees=(dy,), moment=not last, returns=True),
+        made = (Made(weight, z.weight(f"{s}.{proj}_proj"), WHY_WGRAD), Made(dx, z.full(z.h), "dY W"))
+        return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", made, frees=(dy,), moment=not last, returns=True),
                    sums.add("block input", dx, z.full(z.h), f"the shared expert's {proj}_proj dX summed into the"
                             " block's", OUTPUT_GRAD if final and last else ""),
                    Step("", hands_over=(weight,)))
     return [
-        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, w, f"{g}/down dX", z.full(u), "",
+        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, z.weight(f"{s}.down_proj"), f"{g}/down dX", z.full(u), "",
                (f"{g}/out",) if last else (), dw=f"{g}/down weight"),
         _op("mlp" if last else s, (ledger.SHARED_UP, ledger.SHARED_SILU_OUT), Step("SiLU(gate) * up's backward", (
             Made(f"{g}/up", z.full(u), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(u), "dY * up")),

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.params import vocab_shard
+from memcalc.sizing.params import layer_elements, vocab_shard
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
@@ -114,6 +114,7 @@ class Sizes:
     norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
     cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
+    config: ModelConfig | None = None  # whose inventory (memcalc.sizing.params) `weight` reads
 
     @classmethod
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:
@@ -126,8 +127,14 @@ class Sizes:
             qkv_t=(config.a + 2 * config.groups) * d // t,
             v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
             norm_vectors=2 if config.norm == "layernorm" else 1,
-            positions=config.positions if config.position_embedding_type == "learned_absolute" else 0,
+            positions=config.positions if config.position_embedding_type == "learned_absolute" else 0, config=config,
         )
+
+    def weight(self, module: str, width: int = 0) -> int:
+        """Bytes of the layer's parameter `module` (its path below the layer's; a bias `module.bias`) on this rank in
+        the activation dtype (or `width` bytes a value: DeepSeek's fp32 router GEMM), shaped as the implementation's
+        inventory: its gradient's, as the GEMM makes it."""
+        return (width or self.act) * layer_elements(self.config, self.t)[module]
 
     def seq(self, width: int) -> int:
         """Bytes of an activation-dtype (s, b, width) tensor outside the pair: (s/t, b, width) under SP."""

@@ -503,7 +503,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
                Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),
-               z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
+               z.weight(f"{a}.qkv_linear.wqkv"), f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
         Op(f"{a}.qkv_linear",
            forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
                     Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
@@ -522,7 +522,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                frees=(f"{g}/dout",)),),
            saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
         *module_returns((
-            linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
+            linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.weight(f"{a}.wo"),
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
@@ -577,14 +577,14 @@ def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
 
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
-    m, g, w, f = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h, z.tokens(z.act * z.f_t)
+    m, g, f = "feed_forward", f"grad/{p}/feed_forward", z.tokens(z.act * z.f_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
     w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
     ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
     return (
-        *swiglu_ops(p, m, DENSE_SWIGLU, w, f, full, f"grad/{p}/ffn_norm out"),
+        *swiglu_ops(p, m, DENSE_SWIGLU, z.weight(f"{m}.w1"), f, full, f"grad/{p}/ffn_norm out"),
         *module_returns((
-            linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
+            linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), z.weight(f"{m}.w2"), f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
@@ -603,14 +603,14 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     (the ledger's SHARED_FC2_OUT, which SelectiveAC caches) reduce-scattered into f"{p}/moe/shared out"; in backward
     their input's gradient f"grad/{p}/moe/shared dX"."""
     m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size // z.t
-    w, f, dy = z.act * u * z.h, z.tokens(z.act * u), f"grad/{p}/{m}/dY whole"
+    f, dy = z.tokens(z.act * u), f"grad/{p}/{m}/dY whole"
     fc2_out, dx = kept_name(p, rules.SHARED_FC2_OUT), f"grad/{p}/moe/shared dX"
     gathered = config.ep > 1 and z.sp  # at ep > 1 the MoE's input is this rank's shard: gathered at their entry
     return module_returns((
         *(gather(m, z, p, kept(p, rules.MOE_SHARED_IN), f"{dx} whole", dx) if gathered else ()),
-        *swiglu_ops(p, m, SHARED_SWIGLU, w, f, z.full(z.h), f"{dx} whole" if gathered else dx),
+        *swiglu_ops(p, m, SHARED_SWIGLU, z.weight(f"{m}.w1"), f, z.full(z.h), f"{dx} whole" if gathered else dx),
         linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(fc2_out, z.full(z.h), "the shared experts' output"),
-               w, f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
+               z.weight(f"{m}.w2"), f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
         *(reduce_scatter(f"{m}.w2", z, p, fc2_out, f"{p}/moe/shared out", dy, ()) if z.sp else ()),
     ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 

@@ -92,14 +92,15 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
         Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),),
              reads_last=kept_names(p, rules.MOE_ROUTER_WEIGHT, rules.MOE_ROUTER_IN)),
     ), backward=(
-        Step("the gate's fp32 GEMMs: dW and dX", (Made(f"{g}/weight fp32", 4 * e * z.h, "dW = dLogits^T X"),
-                                                 Made(f"{g}/input fp32", 4 * tokens * z.h, "dX = dLogits W")),
+        Step("the gate's fp32 GEMMs: dW and dX", (
+            Made(f"{g}/weight fp32", z.weight("moe.router.gate", 4), "dW = dLogits^T X"),
+            Made(f"{g}/input fp32", 4 * tokens * z.h, "dX = dLogits W")),
              frees=(f"{g}/logits",), returns=True),
         Step("the input cast's backward: dX to bf16", (Made(f"{g}/input", z.act * tokens * z.h, "bf16"),)),
         Step("summed with the dispatch's: ffn_norm's output gradient", (
             Made(f"grad/{p}/ffn_norm out", z.act * tokens * z.h, "both paths' summed"),),
             frees=(f"{g}/input", _dispatched(p, shared), f"{g}/input fp32"), moment=False),
-        Step("the weight cast's backward: dW to bf16", (Made(f"{g}/weight", z.act * e * z.h, WHY_WGRAD),)),
+        Step("the weight cast's backward: dW to bf16", (Made(f"{g}/weight", z.weight("moe.router.gate"), WHY_WGRAD),)),
         # the slots' score gradient (the sorted scores' index_put) goes only now, with the router's backward done
         Step("", frees=(f"{g}/weight fp32", f"grad/{p}/moe/scores"), hands_over=(f"{g}/weight",)),
     ), saves=(rules.MOE_ROUTER_WEIGHT, rules.MOE_ROUTER_IN))
@@ -247,12 +248,12 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     TP at ep = 1)."""
     m, sizes = "moe.routed_experts.inner_experts", Slots.of(z, config)
     r, f = sizes.received, sizes.width
-    rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * sizes.experts * f * z.h
-    w1, *swiglu = swiglu_ops(p, m, EXPERT_SWIGLU, weight, rows_f, rows_h, f"grad/{p}/moe/experts input",
-                             GROUPED_WEIGHTS)
+    rows_f, rows_h = z.act * r * f, z.act * r * z.h
+    w1, *swiglu = swiglu_ops(p, m, EXPERT_SWIGLU, z.weight(f"{m}.w1_EFD"), rows_f, rows_h,
+                             f"grad/{p}/moe/experts input", GROUPED_WEIGHTS)
     offsets = Step("cumsum of the counts: the offsets", (kept(p, rules.MOE_OFFSETS),))
-    w2 = linear(m, ledger.EXPERT_FC2_IN, Made(f"{p}/moe/experts/output", rows_h, "(r, h) bf16"), weight,
-                f"grad/{p}/{m}/dfc2", rows_f, p, frees=(f"grad/{p}/moe/experts/output",),
+    w2 = linear(m, ledger.EXPERT_FC2_IN, Made(f"{p}/moe/experts/output", rows_h, "(r, h) bf16"),
+                z.weight(f"{m}.w2_EDF"), f"grad/{p}/{m}/dfc2", rows_f, p, frees=(f"grad/{p}/moe/experts/output",),
                 dw=f"grad/{p}/{m}/{GROUPED_WEIGHTS['w2']}", label="w2's grouped ")
     return (replace(w1, forward=(offsets, *w1.forward), saves=(rules.MOE_OFFSETS, *w1.saves)), *swiglu,
             *module_returns((w2,), *kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)))  # inner_experts returns
