@@ -149,3 +149,11 @@ def test_moe_tokens_capacity_without_a_capacity_factor_is_refused():
     # capacity counts the tokens each expert keeps after drops: without a factor no expert drops any
     one_line_error(memcalc_cli("estimate", "--config", MIXTRAL, "--moe-tokens", "capacity"),
                    "moe_tokens capacity needs moe_expert_capacity_factor")
+
+
+@pytest.mark.parametrize("config", [["--config", shipped("qwen1.5-moe-a2.7b")],
+                                    ["--hf-config", "tests/data/hf/qwen2-0.5b.json"]])
+def test_torchtitan_refuses_qkv_biases_naming_the_impls_that_count_them(config):
+    # Qwen's q, k and v biases are the model's (Qwen2's config.json cannot turn them off, and no flag does)
+    one_line_error(memcalc_cli("estimate", *config, "--impl", "torchtitan", "--totals"),
+                   "add_qkv_bias True is not in torchtitan's Llama3", "use impl megatron or hf")
