@@ -201,16 +201,19 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     """A decoder layer's parameters in registration order, as this rank of t holds them (transformers' tp_plan: q, k,
     v, gate, up colwise, o and down rowwise, the norms whole): its attention (latent attention in
     DeepseekV3DecoderLayer), its MLP (a sparse block's experts), then its norms (one with single_norm, four with
-    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none). GPT-2's Conv1D keeps each
-    weight as (in, out)."""
+    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none); GPT-NeoX's and GPT-J's norms
+    first, GPT-2's and BLOOM's each before its sublayer. GPT-2's Conv1D keeps each weight as (in, out)."""
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
     mlp = _hf_moe(c, t, f"{m}.mlp") if moe else _mlp(c, t, f"{m}.mlp")
-    norms = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
+    names = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
         "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
-    params = (*attention, *mlp, *(x for n in norms for x in _norm(c, f"{m}.{n}")))
-    if not rules.is_gpt2(c):
-        return params
-    return tuple(p._replace(shape=p.shape[::-1]) if len(p.shape) == 2 else p for p in params)  # Conv1D's (in, out)
+    norms = tuple(x for n in names for x in _norm(c, f"{m}.{n}"))
+    if rules.is_neox(c) or rules.is_gptj(c):
+        return (*norms, *attention, *mlp)
+    if not rules.is_gpt2(c) and not c.alibi:
+        return (*attention, *mlp, *norms)
+    params = (*norms[:len(norms) // 2], *attention, *norms[len(norms) // 2:], *mlp)
+    return tuple(p._replace(shape=p.shape[::-1]) if len(p.shape) == 2 and not c.alibi else p for p in params)
 
 
 _SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -227,8 +230,9 @@ def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     qk = () if not c.qk_layernorm else ((c.a * c.head_dim,), (c.groups * c.head_dim,)) if c.post_norm else (
         (c.a, c.head_dim), (c.groups, c.head_dim)) if rules.is_cohere(c) else ((c.head_dim,),) * 2
     sinks = (Param(f"{m}.sinks", (c.a // t,), SINKS),) if c.attention_sinks else ()
-    return (*sinks, *qkv, *_linear(f"{m}.o_proj", c.h, q, c.add_bias_linear, PROJ),
-            *(x for n, shape in zip("qk", qk) for x in _norm(c, f"{m}.{n}_norm", shape)))
+    o = _linear(f"{m}.o_proj", c.h, q, c.add_bias_linear, PROJ)
+    projections = (*o, *qkv) if rules.is_phi3(c) else (*qkv, *o)  # Phi3Attention registers o_proj first
+    return (*sinks, *projections, *(x for n, shape in zip("qk", qk) for x in _norm(c, f"{m}.{n}_norm", shape)))
 
 
 def _mlp(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
@@ -279,7 +283,8 @@ def _hf_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
     s = f"{m}.shared_experts" if c.mla else f"{m}.shared_expert"  # DeepseekV3MoE's name, Qwen2MoeSparseMoeBlock's
     shared = (Param(f"{s}.gate_proj", (u, c.h), SHARED), Param(f"{s}.up_proj", (u, c.h), SHARED),
               Param(f"{s}.down_proj", (c.h, u), SHARED), *gate) if u else ()
-    return (*experts, *router) if c.qk_layernorm else (*router, *experts, *shared)
+    # Qwen3-MoE's and DeepSeek-V3's experts come before their router
+    return (*experts, *router, *shared) if c.qk_layernorm or c.mla else (*router, *experts, *shared)
 
 
 # torchtitan's Llama3Model, under its TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole,

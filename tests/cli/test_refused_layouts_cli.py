@@ -149,3 +149,18 @@ def test_moe_tokens_capacity_without_a_capacity_factor_is_refused():
     # capacity counts the tokens each expert keeps after drops: without a factor no expert drops any
     one_line_error(memcalc_cli("estimate", "--config", MIXTRAL, "--moe-tokens", "capacity"),
                    "moe_tokens capacity needs moe_expert_capacity_factor")
+
+
+@pytest.mark.parametrize("config", [["--config", shipped("qwen1.5-moe-a2.7b")],
+                                    ["--hf-config", "tests/data/hf/qwen2-0.5b.json"]])
+def test_torchtitan_refuses_qkv_biases_naming_the_impls_that_count_them(config):
+    # Qwen's q, k and v biases are the model's (Qwen2's config.json cannot turn them off, and no flag does)
+    one_line_error(memcalc_cli("estimate", *config, "--impl", "torchtitan", "--totals"),
+                   "add_qkv_bias True is not in torchtitan's Llama3", "use impl megatron or hf")
+
+
+def test_a_qwen_moe_whose_sparse_step_does_not_divide_l_is_counted_by_impl_hf_alone():
+    # decoder_sparse_step 2 at L 5: transformers builds layers 1 and 3 sparse; megatron's i % 2 would count 0, 2, 4
+    qwen = ("--config", shipped("qwen1.5-moe-a2.7b"), "--moe-layer-freq", "2", "--L", "5", "--totals")
+    one_line_error(memcalc_cli("estimate", *qwen), "L=5 is not divisible by moe_layer_freq=2", "impl hf places them")
+    assert memcalc_cli("estimate", *qwen, "--impl", "hf").code == 0

@@ -225,7 +225,7 @@ _REFUSED = (
     ("recompute", ("selective",), "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
     ("dtype", ("fp16",), "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
     ("add_bias_linear", (True,), "Llama3's linears have no biases; use add_bias_linear false"),
-    ("add_qkv_bias", (True,), "Llama3's wqkv has no bias; set add_qkv_bias false in a config file"),
+    ("add_qkv_bias", (True,), "Llama3's wqkv has no bias; use impl megatron or hf for a model with QKV biases"),
 )
 
 

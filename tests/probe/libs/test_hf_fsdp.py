@@ -28,9 +28,10 @@ from memcalc.probe.libs import hf_tp  # noqa: E402
 from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker, warmed_up_sharded  # noqa: E402
 from memcalc.probe.libs.hf_step import causal_lm  # noqa: E402
 from memcalc.probe.step import categories, measure_step  # noqa: E402
+from memcalc.sizing.pipeline import pipeline_stages  # noqa: E402
 from memcalc.sizing.states import state_bytes, total_params  # noqa: E402
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
-from memcalc.sizing.timeline.fsdp import Fsdp  # noqa: E402
+from memcalc.sizing.timeline.fsdp import Fsdp, stage_params  # noqa: E402
 from memcalc.sizing.timeline.zero import Zero  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
 
@@ -175,6 +176,8 @@ def test_the_parameters_fsdp2_and_zero3_pad_are_the_familys_own_model_shape_by_s
     model, _ = causal_lm(config, "balanced" if config.moe else None, torch.float32, torch.device("meta"))
     shapes = sorted(tuple(x.shape) for x in model.parameters())
     assert sorted(p.shape for unit in Fsdp.of(config, 1).units for p in unit.params) == shapes
+    (stage,) = pipeline_stages(config)  # in registration order, the order ZeRO-1/2 partitions each group in
+    assert [p.shape for p in stage_params(config, stage, 1)] == [tuple(x.shape) for x in model.parameters()]
     zero = Zero(make_config(knobs, zero_stage=3, dp=3))
     assert sorted(n for group in zero.groups for n in group) == sorted(map(prod, shapes))
 
