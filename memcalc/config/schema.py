@@ -485,10 +485,6 @@ def check_experts(config: ModelConfig) -> None:
         freq = f"moe_layer_freq={c.moe_layer_freq}" if c.moe_layer_freq > 1 else ""
         raise ConfigError(f"{' with '.join(x for x in (first, freq) if x)} leaves none of the L={c.L} layers a MoE"
                           " layer (drop num_experts for a dense model)")
-    if c.family in ("qwen2_moe", "qwen3_moe") and c.impl != "hf":  # moe_layer_freq: config.json's decoder_sparse_step
-        divides(c.moe_layer_freq, "moe_layer_freq", c.L, "L", f"{c.family}'s layer i is sparse when decoder_sparse_step"
-                f" divides i + 1, impl {c.impl}'s when moe_layer_freq divides i: as many MoE layers only then; impl hf"
-                " places them as transformers does")
     if c.etp is not None and c.etp != c.t:
         raise ConfigError(f"etp={c.etp} is not t={c.t}: memcalc models expert tensor parallelism equal to t"
                           " (Megatron-LM's default); leave etp out")

@@ -85,6 +85,16 @@ class SoftmaxOfOne(Rule):
         return f"{self.value} may not be 1 under impl megatron's softmax router without moe_router_pre_softmax"
 
 
+@record
+class SparseStep(Rule):
+    """`divisor` (moe_layer_freq: config.json's decoder_sparse_step) must divide `value` (L) in Qwen2-MoE's and
+    Qwen3-MoE's layers run by an implementation that places a MoE layer where freq divides i, not i + 1 as
+    transformers does (ModelConfig.is_moe_layer): only then is the count of MoE layers the same."""
+
+    def applies(self, knobs: Any) -> bool:
+        return knobs.family in ("qwen2_moe", "qwen3_moe") and knobs.impl != "hf" and knobs.moe
+
+
 # Fields whose value as used can come from a default that depends on others (4h, a).
 AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
 
@@ -95,6 +105,9 @@ DIVISIBILITY = (
     Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
     Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
     Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
+    SparseStep("moe_layer_freq", "L", "Qwen's layer i is sparse when decoder_sparse_step divides i + 1, impl"
+               " megatron's and torchtitan's when moe_layer_freq divides i: as many MoE layers only then; impl hf"
+               " places them as transformers does"),
 )
 SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
 # The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).

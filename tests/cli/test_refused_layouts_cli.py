@@ -164,3 +164,13 @@ def test_a_qwen_moe_whose_sparse_step_does_not_divide_l_is_counted_by_impl_hf_al
     qwen = ("--config", shipped("qwen1.5-moe-a2.7b"), "--moe-layer-freq", "2", "--L", "5", "--totals")
     one_line_error(memcalc_cli("estimate", *qwen), "L=5 is not divisible by moe_layer_freq=2", "impl hf places them")
     assert memcalc_cli("estimate", *qwen, "--impl", "hf").code == 0
+
+
+def test_a_sweep_skips_the_qwen_moe_lengths_its_sparse_step_does_not_divide_outside_impl_hf():
+    # each point as estimate checks it: L=5 was priced with megatron's three MoE layers where Qwen's model has two
+    qwen = ("--config", shipped("qwen1.5-moe-a2.7b"), "--moe-layer-freq", "2", "--L", "4,5,6", "--strategy", "none")
+    done = memcalc_cli("sweep", *qwen)
+    assert done.code == 0 and [row.split(",")[5] for row in done.out.splitlines()[1:]] == ["4", "6"]
+    assert "1 because moe_layer_freq must divide L" in done.err
+    hf = memcalc_cli("sweep", *qwen, "--impl", "hf")
+    assert [row.split(",")[5] for row in hf.out.splitlines()[1:]] == ["4", "5", "6"]
