@@ -47,6 +47,10 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
+        (config.moe_router_topk == 1 and bool(config.moe_shared_expert_intermediate_size)
+         and config.recompute == "full" and z.t == 1, "top-1 routing beside shared experts under recompute full at"
+         " t = 1 (in the rerun, MoELayer.postprocess adds the shared experts' output to unpermute's (n, h) output while"
+         " the permuted tokens live: at k = 1 that outgrows the experts' concatenation, the widest moment walked)"),
     ]
     return next((what for absent, what in missing if absent), None)
 

@@ -351,6 +351,9 @@ def test_a_megatron_moe_step_with_biased_experts_is_refused_in_one_line_not_a_tr
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
+    # measured at b=1 s=28 h=32 E=2 L=1: MemTracker's peak 1,792 B (one (s, b, h) bf16 tensor) above the walk's
+    ({"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 24,
+      "recompute": "full"}, "none", "top-1 routing beside shared experts under recompute full at t = 1"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
