@@ -47,6 +47,9 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
+        (config.moe_router_topk == 1 and bool(config.moe_shared_expert_intermediate_size) and config.recompute == "full"
+         and z.t == 1 and config.ep > 1, "top-1 routing beside shared experts under recompute full over ep without tp"
+         " (the rerun's unpermute and shared-experts sum after the all-to-all back, measured above the walk)"),
     ]
     return next((what for absent, what in missing if absent), None)
 
@@ -175,10 +178,34 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
         frees=tuple(x.name for x in (*outputs, *local_in)))
     # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
     routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
+    walked = rerun or config.recompute != "full"  # full recomputation's first forward: not these bytes
     returns = _combine(config, z, slots, local, returned, routed, mine) if exchanged else (
-        Step("MoELayer's forward returns", frees=returned),)
+        *(_postprocess(config, z, slots, mine) if walked else ()), Step("MoELayer's forward returns", frees=returned))
     steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)), ("mlp", returns))
     return tuple(Op(where, forward=() if rerun else x, backward=x if rerun else ()) for where, x in steps)
+
+
+def _unsorted(z: Sizes, slots: int, category: str) -> Made:
+    """sort_chunks_by_idxs's output: the experts' output back in the tokens' order."""
+    return Made("moe/unsorted output", z.act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
+                category=category)
+
+
+def _postprocess(config: ModelConfig, z: Sizes, slots: int, category: str) -> tuple[Step, ...]:
+    """Without exchanges, after the experts' output: the unsort's concatenation replaces it (as many bytes), then
+    unpermute's zeroed (n, h) output and, with shared experts, MoELayer.postprocess's sum of it and their output
+    (megatron/core/transformer/moe/moe_utils.py unpermute, moe_layer.py postprocess), the permuted tokens still held:
+    a moment of its own, above the experts' concatenation at k = 1 with shared experts. Both go before MoELayer
+    returns (the sum is its output, which the layer's walk counts from there). Not walked in full recomputation's
+    first forward, which keeps nothing for autograd (measured: not these bytes there)."""
+    n, shared = z.b * z.s_seq, bool(config.moe_shared_expert_intermediate_size)
+    made = (Made("moe/unpermuted output", z.act * n * z.h, "unpermute's zeros, scatter_add_'s output, (n, h)",
+                 category=category),
+            *((Made("moe/output", z.act * n * z.h, "postprocess: the unpermuted output plus the shared experts'",
+                    category=category),) if shared else ()))
+    return (Step("the experts' output unsorted", (_unsorted(z, slots, category),), frees=("moe/experts output",)),
+            Step("unpermute's output" + (", the shared experts' added" if shared else ""), made,
+                 frees=(*(x.name for x in made), "moe/unsorted output")))
 
 
 def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
@@ -188,8 +215,7 @@ def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tu
     `routed` (what of `ROUTED_LOCALS` autograd does not keep) and at t > 1 the unsorted output gone first); then what
     MoELayer held (`returned`) goes."""
     act, h, one = z.act, z.h, one_expert(config)
-    unsorted = Made("moe/unsorted output", act * slots * h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
-                    category=category)
+    unsorted = _unsorted(z, slots, category)
     order = Made("moe/unsort order", 8 * z.t * config.num_experts, "num_global_tokens_per_local_expert.T.ravel():"
                  " the unsort's chunk sizes, a copy (int64)", category=category)
     steps = [] if one else [Step("the experts' output unsorted", (order, unsorted), frees=(order.name,))]

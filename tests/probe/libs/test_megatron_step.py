@@ -220,6 +220,9 @@ RECOMPUTE_SHAPES = [
     # each kind of layer its own rerun: dense layers among MoE ones, below and above them
     ("all-to-one", {"recompute": "full", "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1, "b": 1, "s": 7}, "none"),
     ("balanced", {"recompute": "full", "L": 3, "moe_layer_freq": 2, "b": 1, "s": 7}, "none"),
+    # top-1 beside shared experts: unpermute's output and the shared experts' sum outgrow the experts' concatenation
+    ("balanced", {"recompute": "full", "moe_router_topk": 1, "moe_router_pre_softmax": True, "num_experts": 2,
+                  "moe_shared_expert_intermediate_size": 24, "vocab_size": 16}, "none"),
     ("balanced", {"recompute": "selective", "L": 3, "moe_first_dense_layers": 1, "attention": "eager", "b": 1,
                   "s": 7}, "none"),
     ("balanced", {"recompute": "full", "t": 2, "L": 3, "moe_first_dense_layers": 1, "b": 1, "s": 14,
@@ -310,6 +313,9 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     ("balanced", {"ep": 2, "dp": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # over ep the unsort's chunk sizes,
     # a copy, beside its output and the experts' (as many bytes as their list): above the concatenation
     ("balanced", {"recompute": "full", "ep": 2, "dp": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # in the rerun
+    ("balanced", {"recompute": "full", "moe_router_topk": 1, "moe_router_pre_softmax": True, "num_experts": 2,
+                  "moe_shared_expert_intermediate_size": 24, "vocab_size": 16, "s": 28}, "backward layers.1.mlp"),
+    # top-1 beside shared experts at t = 1: the rerun's unpermute and shared sum, above the experts' concatenation
 ]
 PEAKS += [  # one expert a rank: its output all-to-all'd back beside it, unsorted; its own backward
     ("balanced", {"ep": 4, "dp": 4, **PEAKS[3][1], "num_experts": 4}, "forward layers.1.mlp"),
@@ -351,6 +357,10 @@ def test_a_megatron_moe_step_with_biased_experts_is_refused_in_one_line_not_a_tr
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
+    # measured at b=1 s=28 h=32 E=2 L=1: MemTracker's peak 1,792 B (one (s, b, h) bf16 tensor) above the walk's
+    ({"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 24,
+      "recompute": "full", "ep": 2, "dp": 2, "num_experts": 2}, "none",
+     "top-1 routing beside shared experts under recompute full over ep"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
