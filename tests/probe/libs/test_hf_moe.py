@@ -58,11 +58,11 @@ CASES = {
     "qwen2-moe with norm_topk_prob: the renormalisation's sum and weights too":
         QWEN2_MOE | {"moe_router_pre_softmax": False},
     "qwen2-moe sdpa with two experts a token of eight": QWEN2_MOE | {"attention": "flash", "num_experts": 8},
-    "qwen2-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN2_MOE | {"moe_layer_freq": 2},
+    "qwen2-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN2_MOE | {"moe_layer_freq": 2, "L": 2},
     "qwen3-moe: q/k norms, heads of head_dim, norm_topk_prob, routing weights cast to bf16": QWEN3_MOE,
     "qwen3-moe without norm_topk_prob, sdpa, two experts a token of eight":
         QWEN3_MOE | {"moe_router_pre_softmax": True, "attention": "flash", "num_experts": 8},
-    "qwen3-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN3_MOE | {"moe_layer_freq": 2},
+    "qwen3-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN3_MOE | {"moe_layer_freq": 2, "L": 2},
     "deepseek-v3: fp32 router input, sigmoid scores, renormalised top-k, shared expert on the block's input":
         DEEPSEEK_V3,
     "deepseek-v3 without norm_topk_prob, two shared experts, past a first dense layer":
