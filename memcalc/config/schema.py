@@ -387,7 +387,8 @@ def check_layout(config: ModelConfig) -> None:
                           " is modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
     if c.impl == "torchtitan" and c.position_embedding_type != "rope":
         raise ConfigError(f"impl torchtitan: position_embedding_type {c.position_embedding_type}, but its Llama3"
-                          " rotates q and k (RoPE) and has no position table; use position_embedding_type rope")
+                          " rotates q and k (RoPE) and has no position table; use impl megatron or hf for a model"
+                          " with one")
     if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")

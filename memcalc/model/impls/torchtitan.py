@@ -224,7 +224,7 @@ _REFUSED = (
     ("attention", ("eager",), "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
     ("recompute", ("selective",), "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
     ("dtype", ("fp16",), "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
-    ("add_bias_linear", (True,), "Llama3's linears have no biases; use add_bias_linear false"),
+    ("add_bias_linear", (True,), "Llama3's linears have no biases; use --no-bias-linear (add_bias_linear false)"),
     ("add_qkv_bias", (True,), "Llama3's wqkv has no bias; use impl megatron or hf for a model with QKV biases"),
 )
 
