@@ -377,8 +377,16 @@ def check_divisibility(config: ModelConfig) -> None:
         rule.check(config)
 
 
+# Config fields (not layer knobs) torchtitan's Llama3 has no tensor for, each with what to do instead.
+_TORCHTITAN_ABSENT = (
+    ("add_bias_linear", "Llama3's linears have no biases; use --no-bias-linear (add_bias_linear false)"),
+    ("add_qkv_bias", "Llama3's wqkv has no bias; use impl megatron or hf for a model with QKV biases"),
+)
+
+
 def check_layout(config: ModelConfig) -> None:
-    """The rules of pipeline and context parallelism, and of a learned position table."""
+    """The rules of pipeline and context parallelism, of a learned position table, and the tensors torchtitan's
+    Llama3 has not."""
     c = config
     if c.vpp is not None and c.pp < 2:
         raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
@@ -389,6 +397,9 @@ def check_layout(config: ModelConfig) -> None:
         raise ConfigError(f"impl torchtitan: position_embedding_type {c.position_embedding_type}, but its Llama3"
                           " rotates q and k (RoPE) and has no position table; use impl megatron or hf for a model"
                           " with one")
+    for name, reason in _TORCHTITAN_ABSENT if c.impl == "torchtitan" else ():
+        if getattr(c, name):
+            raise ConfigError(f"impl torchtitan: {name} True is not in torchtitan's Llama3: {reason}")
     if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
         raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
                           " NotImplementedError (no weight tying under pp); untie the embeddings")

@@ -224,15 +224,13 @@ _REFUSED = (
     ("attention", ("eager",), "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
     ("recompute", ("selective",), "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
     ("dtype", ("fp16",), "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
-    ("add_bias_linear", (True,), "Llama3's linears have no biases; use --no-bias-linear (add_bias_linear false)"),
-    ("add_qkv_bias", (True,), "Llama3's wqkv has no bias; use impl megatron or hf for a model with QKV biases"),
 )
 
 
 def check(knobs: Any) -> None:
     """ConfigError for knob values torchtitan's Llama3 block cannot run."""
     for name, values, reason in _REFUSED:
-        if getattr(knobs, name, None) in values:  # the biases: a config's, not a layer knob's
+        if getattr(knobs, name) in values:
             raise ConfigError(f"impl torchtitan: {name} {getattr(knobs, name)} is not in torchtitan's Llama3: {reason}")
     if knobs.dropout > 0:
         raise ConfigError(f"impl torchtitan: dropout {knobs.dropout}, but Llama3 has no dropout; use dropout 0")
