@@ -775,7 +775,9 @@ def expert_block(knobs: Any, weight: SavedTensor) -> tuple[SavedTensor, ...]:
 def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """Every tensor one transformers decoder layer keeps for backward, in forward order (unless fully recomputed:
     torch.utils.checkpoint then keeps the layer's positional input, `Implementation.layer_tensors`)."""
-    post_attn, post_mlp = sandwich_norms(knobs)
+    # the norms on the attention's and the MLP's outputs (`POST_NORMS`), where the layer has them
+    post = knobs.post_norm or knobs.sandwich_norm
+    post_attn, post_mlp = (tuple(x) for x in POST_NORMS[knobs.norm]) if post else ((), ())
     first, second = ((), ()) if knobs.post_norm else (norm_block(0, knobs), norm_block(1, knobs))  # OLMo 2: none
     blocks = (
         first + attention_block(knobs, accounting) + post_attn + second
@@ -789,13 +791,6 @@ def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 POST_NORMS = {"rmsnorm_1p": (GEMMA_POST_ATTN, GEMMA_POST_MLP), "rmsnorm": (GLM_POST_ATTN, GLM_POST_MLP),
               "rmsnorm_fp32w": (OLMO2_ATTN_OUT, OLMO2_MLP_OUT)}
 
-
-def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTensor, ...]]:
-    """What the norms on the attention's and the MLP's outputs keep (`POST_NORMS`), if the layer has them."""
-    if not (knobs.post_norm or knobs.sandwich_norm):
-        return (), ()
-    attn, mlp = POST_NORMS[knobs.norm]
-    return tuple(attn), tuple(mlp)
 
 
 def check(knobs: Any) -> None:
