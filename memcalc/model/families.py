@@ -267,20 +267,26 @@ _EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation
     "experts_implementation", ("grouped_mm", "eager"), "memcalc models transformers' grouped_mm, its default, and"
     " eager"), default=None)
 _AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
+
+
+def _routed(experts: str, topk: int, width: int | None = None) -> tuple[Row, ...]:
+    """A MoE family's routed experts: how many (config.json's `experts` field), how many a token picks (its class's
+    default `topk`) and, where they have their own width, moe_intermediate_size (the class's default `width`)."""
+    rows = (Row("num_experts", (experts,)), Row("moe_router_topk", ("num_experts_per_tok",), default=topk))
+    return rows if width is None else (*rows, Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=width))
+
+
 # MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
 _MIXTRAL = (
     *_LLAMA_HEADS,
-    Row("num_experts", ("num_local_experts",)),
-    Row("moe_router_topk", ("num_experts_per_tok",), default=2),  # MixtralConfig's default
+    *_routed("num_local_experts", 2),  # MixtralConfig's default
     _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
 # Qwen2MoeConfig: experts of moe_intermediate_size beside a gated shared expert, every decoder_sparse_step-th
 # layer sparse (the others a dense MLP of intermediate_size); its class defaults are Qwen1.5-MoE-A2.7B's.
 _QWEN2_MOE = (
     *_LLAMA_HEADS,
-    Row("num_experts", ("num_experts",)),
-    Row("moe_router_topk", ("num_experts_per_tok",), default=4),
-    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=1408),
+    *_routed("num_experts", 4, 1408),
     Row("moe_shared_expert_intermediate_size", ("shared_expert_intermediate_size",), default=5632),
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
@@ -292,9 +298,7 @@ _QWEN2_MOE = (
 # Qwen3-30B-A3B's but for norm_topk_prob (false in the class, true in that model's config.json).
 _QWEN3_MOE = (
     *_LLAMA, _head_dim_row(), _FULL_CAUSAL, _UNBIASED_ATTENTION,
-    Row("num_experts", ("num_local_experts",)),  # Qwen3MoeConfig's attribute; older config.json files say num_experts
-    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
-    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
+    *_routed("num_local_experts", 8, 768),  # Qwen3MoeConfig's attribute; older config.json files say num_experts
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
@@ -316,9 +320,7 @@ _NOTHING_KEPT = "changes nothing kept"
 # (transient top-ks whose values are discarded, an add, a product by a number), so they are shown, not counted.
 _DEEPSEEK_V3 = (
     *_DEEPSEEK,
-    Row("num_experts", ("n_routed_experts",)),
-    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
-    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=2048),
+    *_routed("n_routed_experts", 8, 2048),
     Row("moe_shared_expert_intermediate_size", ("n_shared_experts", "moe_intermediate_size"), default=...,
         combine=_shared_width),
     Row("moe_first_dense_layers", ("first_k_dense_replace",), lambda k: k or None, default=3),
