@@ -56,22 +56,21 @@ class Method:
     name: str
     flag: str  # Megatron-LM's argument
     kind: str  # "ring", "pipelined" or "bulk"
-    reduce_scatter: bool
     what: str
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ring-ag", "tp_comm_overlap_ag", "ring", False,
+    Method("ring-ag", "tp_comm_overlap_ag", "ring",
            "all-gather as t-1 ring exchanges, each beside the GEMM of the chunk a rank holds"),
-    Method("ring-rs", "tp_comm_overlap_rs (ring_exchange)", "ring", True,
+    Method("ring-rs", "tp_comm_overlap_rs (ring_exchange)", "ring",
            "reduce-scatter ring: each partial-result buffer travels t-1 hops, summed on the way, to its owner"),
-    Method("pipelined-rs", "tp_comm_overlap_rs", "pipelined", True,
+    Method("pipelined-rs", "tp_comm_overlap_rs", "pipelined",
            "the GEMM in num_splits chunks, each reduce-scattered while the next computes"),
-    Method("bulk-dgrad", "tp_comm_bulk_dgrad", "bulk", False,
+    Method("bulk-dgrad", "tp_comm_bulk_dgrad", "bulk",
            "the re-gather of a column-parallel input beside the dgrad GEMM, which does not need it"),
-    Method("bulk-wgrad", "tp_comm_bulk_wgrad", "bulk", True,
+    Method("bulk-wgrad", "tp_comm_bulk_wgrad", "bulk",
            "the reduce-scatter of dX beside the wgrad GEMM"),
-    Method("rs-dgrad", "tp_comm_overlap_rs_dgrad", "pipelined", True,
+    Method("rs-dgrad", "tp_comm_overlap_rs_dgrad", "pipelined",
            "the reduce-scatter of dX pipelined with the dgrad GEMM that makes it (turns both bulk overlaps off)"),
 )}
 DEFAULT = ("ring-ag", "pipelined-rs", "bulk-dgrad", "bulk-wgrad")  # tp_comm_overlap alone: TE's defaults
