@@ -157,11 +157,9 @@ def _rope_table(part: str, fn: str, why: str) -> SavedTensor:
     )
 
 
-MLA_ROPE = (
-    _rope_table("q", "cos", "the query's own copy"), _rope_table("q", "sin", "the query's own copy"),
-    _rope_table("k", "cos", "computed again for the key, a second copy"),
-    _rope_table("k", "sin", "computed again for the key, a second copy"),
-)
+MLA_ROPE = tuple(_rope_table(part, fn, why) for part, why in (("q", "the query's own copy"),
+                                                              ("k", "computed again for the key, a second copy"))
+                 for fn in ("cos", "sin"))
 
 MLA_KV_DOWN_VIEW = replace(
     ledger.MLA_KV_NORM.input, saved_by="kv_layernorm, on torch.split(kv_down output)[0]: a view of the whole output",
