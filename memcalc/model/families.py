@@ -347,15 +347,13 @@ _GPT2 = (
     Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=_largest_dropout),
     _tied(True),
 )
+# GPTNeoXConfig: Llama's fields without K/V groups (multi-head only), with a GELU MLP, a LayerNorm, two dropouts and
+# attention_bias's biases on every linear; a share of each head rotated (rotary_pct), the attention and the MLP side by
+# side (use_parallel_residual) or in sequence.
 _GPT_NEOX = (
-    *_sizes(),
-    Row("ffn_hidden_size", ("intermediate_size",)),
-    Row("mlp", ("hidden_act",), _plain, default="gelu"),
-    _norm_row("layer_norm_eps", "layernorm"),
-    Row("s", ("max_position_embeddings",), default=None),
-    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
-    _tied(False),
-    Row("add_bias_linear", ("attention_bias",), default=True),
+    *_like(_LLAMA, Row("mlp", ("hidden_act",), _plain, default="gelu"), _norm_row("layer_norm_eps", "layernorm"),
+           Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
+           Row("add_bias_linear", ("attention_bias",), default=True), drop=("num_query_groups",)),
     Row("parallel_residual", ("use_parallel_residual",), _flag("use_parallel_residual"), default=True),
     Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
 )
