@@ -173,8 +173,6 @@ def tables_cast(knobs: Any, layer_inputs_cast: bool) -> bool:
     return layer_inputs_cast and knobs.dtype != "fp32" and rope_tables(knobs) == (OLMO_ROPE_COS, OLMO_ROPE_SIN)
 
 
-# The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm.
-RMS_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2)}
 # Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
 # d), before RoPE; its output, transposed, goes on to RoPE and the core.
 Q_NORM_RMS = _rms_norm("attention/q_norm_", "Qwen3RMSNorm q_norm, each query head", Dim.D, heads=Dim.A)
@@ -558,8 +556,10 @@ def rope_tables(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ROPE_COS, ROPE_SIN) if is_llama(knobs) or is_falcon(knobs) else ()
 
 
-# The two norms of a Llama-shaped layer by memcalc's norm (rmsnorm_fp32w: gpt-oss's; OLMo 2 has post-norms only).
-PRE_NORMS = RMS_NORMS | {"layernorm_np": (OLMO_LN1, OLMO_LN2), "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
+# The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm, OlmoLayerNorm, gpt-oss's
+# GptOssRMSNorm (OLMo 2, rmsnorm_fp32w too, has post-norms only; Cohere's one norm is CohereLayerNorm, `norm_block`).
+PRE_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2), "layernorm_np": (OLMO_LN1, OLMO_LN2),
+             "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
 
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
@@ -572,7 +572,7 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     if is_cohere(knobs):
         return tuple(_kept_at(COHERE_LN1, knobs))
     if is_llama(knobs):
-        return tuple(PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
+        return tuple(PRE_NORMS.get(knobs.norm, PRE_NORMS["rmsnorm"])[which])
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
