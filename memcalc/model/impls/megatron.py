@@ -144,16 +144,12 @@ EXPERT_ACT_OUT = SavedTensor(
 EXPERT_PROBS = small_moe("expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,),
                          Kind.ACTIVATION, "the gradient of the activation in the product is dY * probs", Region.EXPERT)
 
-_ROPE = "MLASelfAttention: apply_rotary_pos_emb"
-_WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"
-             " cast tables; {part}")
-
-
 def _rope_table(part: str, fn: str, why: str) -> SavedTensor:
     return SavedTensor(
-        f"mla/rope_{part}_{fn}", f"{_ROPE} on the {'query' if part == 'q' else 'key'}'s RoPE part: {fn}(freqs)"
-        " in the activation dtype", (Dim.S, Dim.DR), Kind.ACTIVATION, Region.REPLICATED, _WHY_ROPE.format(part=why),
-        paper=False,
+        f"mla/rope_{part}_{fn}", f"MLASelfAttention: apply_rotary_pos_emb on the {'query' if part == 'q' else 'key'}'s"
+        f" RoPE part: {fn}(freqs) in the activation dtype", (Dim.S, Dim.DR), Kind.ACTIVATION, Region.REPLICATED,
+        "RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the cast"
+        f" tables; {why}", paper=False,
     )
 
 
