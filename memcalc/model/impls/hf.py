@@ -435,28 +435,27 @@ SHARED_OUT = SavedTensor(
 # GptOssDecoderLayer (models/gpt_oss), op by op: docs/impl-notes/hf.md.
 GPT_OSS_LN1 = _olmo2_norm("ln1", "gpt-oss's GptOssRMSNorm input_layernorm")
 GPT_OSS_LN2 = _olmo2_norm("ln2", "gpt-oss's GptOssRMSNorm post_attention_layernorm")
-_OAI = "gpt-oss"
 HALF_ROPE_COS, HALF_ROPE_SIN = _tables(
     "attention/rope_{}_half", Dim.HALF_D,
-    (f"{_OAI} _apply_rotary_emb: first_half * cos and second_half * cos",
+    ("gpt-oss _apply_rotary_emb: first_half * cos and second_half * cos",
      "the gradient of each half in half * cos is dY * cos (the model's (1, s, d/2) table)"),
-    (f"{_OAI} _apply_rotary_emb: second_half * sin and first_half * sin", "the gradient of each half in half * sin is"
+    ("gpt-oss _apply_rotary_emb: second_half * sin and first_half * sin", "the gradient of each half in half * sin is"
      " dY * sin"))
 SINK_MAX_INDICES = SavedTensor(
-    "attention/sink_max_indices", f"{_OAI} eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
+    "attention/sink_max_indices", "gpt-oss eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
     (Dim.B, Dim.A, Dim.S), Kind.INT64, _TEN, "max's backward puts each row maximum's gradient back at its index",
     paper=False)
 SINK_SOFTMAX = SavedTensor(
-    "attention/sink_softmax", f"{_OAI} eager_attention_forward: softmax over the scores and the sink column, in the"
+    "attention/sink_softmax", "gpt-oss eager_attention_forward: softmax over the scores and the sink column, in the"
     " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
     Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage")
 ROUTER_TOPK_SOFTMAX = ledger.small_moe(
-    "router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
+    "router_topk_softmax", "gpt-oss GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
     (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, "softmax backward needs its output")
-SORTED_EXPERT_IDS = _per_slot("sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by"
+SORTED_EXPERT_IDS = _per_slot("sorted_expert_ids", "gpt-oss experts (grouped_mm): torch.sort's expert ids, kept by"
                               " gate_up_proj_bias[ids] and down_proj_bias[ids]", Kind.INT64,
                               "indexing's backward scatters each slot's bias gradient back to its expert")
-_GLU = f"{_OAI} GptOssExperts._apply_gate"
+_GLU = "gpt-oss GptOssExperts._apply_gate"
 GLU_GATE_IN = replace(
     ledger.EXPERT_GATE, name="moe/glu_gate_in", saved_by=f"{_GLU}: gate_up[..., ::2], kept by gate.clamp(max=limit)",
     why="clamp's gradient passes where its input lay within the bound: it reads the input, a view of gate_up's output")
