@@ -220,10 +220,7 @@ _QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL, _UNBIASED_ATTENTION)
 _DEEPSEEK = (
     *_LLAMA, _UNBIASED_ATTENTION,
     Row("q_lora_rank", ("q_lora_rank",), default=None),  # null: the query is projected from x (DeepSeek-V2-Lite)
-    Row("kv_lora_rank", ("kv_lora_rank",)),
-    Row("qk_rope_head_dim", ("qk_rope_head_dim",)),
-    Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
-    Row("v_head_dim", ("v_head_dim",)),
+    *(Row(name, (name,)) for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")),
 )
 # DeepSeek-V2 read dense: its layers from first_k_dense_replace (DeepseekV2Config's default 0) on are DeepseekV2Moe,
 # whatever n_routed_experts (refused above 1) says
