@@ -469,16 +469,13 @@ KNOBS: tuple[Knob, ...] = (
                  (_MLA_ON, "Without a query latent (q_lora_rank unset, DeepSeek-V2-Lite) the query comes from x"
                   " itself: no query norm, no q_up input."),),
     ),
-    Knob(
-        "q_lora_rank", "size", None, "latent attention: the query latent's width (default: none, Q projected"
-        " from x)", _mla_knob("q_lora_rank"), symbol="r_q",
-    ),
-    Knob("qk_rope_head_dim", "size", None, "latent attention: each query/key head's RoPE channels",
-         _mla_knob("qk_rope_head_dim"), symbol="d_r"),
-    Knob("qk_nope_head_dim", "size", None, "latent attention: each query/key head's channels without RoPE",
-         _mla_knob("qk_nope_head_dim"), symbol="d_n"),
-    Knob("v_head_dim", "size", None, "latent attention: each value head's channels", _mla_knob("v_head_dim"),
-         symbol="d_v"),
+    # latent attention's other widths: (name, what it is, symbol), each said alone without kv_lora_rank
+    *(Knob(name, "size", None, f"latent attention: {what}", _mla_knob(name), symbol=symbol) for name, what, symbol in (
+        ("q_lora_rank", "the query latent's width (default: none, Q projected from x)", "r_q"),
+        ("qk_rope_head_dim", "each query/key head's RoPE channels", "d_r"),
+        ("qk_nope_head_dim", "each query/key head's channels without RoPE", "d_n"),
+        ("v_head_dim", "each value head's channels", "d_v"),
+    )),
     # -- what transformers' decoder families add (memcalc.model.families.FAMILIES) --
     Knob(
         "sliding_window", "size", None, "each query attends to the last W keys only (Mistral's sliding_window;"
