@@ -327,9 +327,8 @@ _DEEPSEEK_V3 = (
         default="sigmoid"),
     _EXPERTS_IMPLEMENTATION,
     _kept_nothing("topk_method", _deepseek_v3_only("topk_method", "noaux_tc"), _NOTHING_KEPT),
-    _kept_nothing("n_group", _positive_number("n_group"), _NOTHING_KEPT),
-    _kept_nothing("topk_group", _positive_number("topk_group"), _NOTHING_KEPT),
-    _kept_nothing("routed_scaling_factor", _positive_number("routed_scaling_factor"), _NOTHING_KEPT),
+    *(_kept_nothing(name, _positive_number(name), _NOTHING_KEPT)
+      for name in ("n_group", "topk_group", "routed_scaling_factor")),
     _kept_nothing("aux_loss_alpha", lambda v: v, "not counted: transformers computes no DeepSeek balance loss"),
     _kept_nothing("num_nextn_predict_layers", lambda v: v,
                   "not counted: the multi-token prediction module, which transformers does not build"),
