@@ -244,9 +244,6 @@ MLP_DROPOUT_MASK = SavedTensor(
 # tokens it receives, and the outputs are combined weighted by the routing probabilities. The tokens an expert
 # receives depend on the data: r, the token-expert slots a rank's experts receive, is k*b*s when the router
 # balances the load and up to the bound `moe_tokens` names (memcalc.model.evaluate.routed_slots).
-_RH = (Dim.R, Dim.H)
-_RE = (Dim.R, Dim.FE)
-_BSU = (Dim.B, Dim.S, Dim.U)
 WHY_EXPERT_TOKENS = "the tokens an expert receives depend on the router: r is the bound named in the output"
 
 
@@ -264,7 +261,7 @@ ROUTER_TOPK_INDICES = small_moe(
     "topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64,
     "the gradient of the top-k values is scattered back to the experts each token chose")
 EXPERT_IN = SavedTensor(
-    "moe/expert_in", "each expert's fc1", _RH, Kind.ACTIVATION, Region.EXPERT,
+    "moe/expert_in", "each expert's fc1", (Dim.R, Dim.H), Kind.ACTIVATION, Region.EXPERT,
     "each expert's dW = X^T dY needs the tokens it received; " + WHY_EXPERT_TOKENS,
 )
 
@@ -275,14 +272,15 @@ _MLP_TENSORS = (GELU_IN, SWIGLU_GATE, SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN)  # eac
 def _for_each_expert(dense: SavedTensor) -> SavedTensor:
     """The dense MLP's tensor `dense` as each expert keeps it (mlp/gate as moe/expert_gate): for the r token slots
     its experts receive, of the expert width e, split as experts are (memcalc.model.strategy)."""
-    return replace(dense, name=f"moe/expert_{dense.name.split('/')[1]}", shape=_RE, region=Region.EXPERT,
+    return replace(dense, name=f"moe/expert_{dense.name.split('/')[1]}", shape=(Dim.R, Dim.FE), region=Region.EXPERT,
                    saved_by=f"each expert's {dense.saved_by.split(' (')[0]}",
                    why=f"{dense.why}, for each token an expert received")
 
 
 EXPERT_GELU_IN, EXPERT_GATE, EXPERT_UP, EXPERT_SILU_OUT, EXPERT_FC2_IN = map(_for_each_expert, _MLP_TENSORS)
 SHARED_GELU_IN, SHARED_GATE, SHARED_UP, SHARED_SILU_OUT, SHARED_FC2_IN = (  # mlp/gate as moe/shared_gate, u wide
-    replace(x, name=f"moe/shared_{x.name.split('/')[1]}", saved_by=f"shared experts' {x.saved_by}", shape=_BSU)
+    replace(x, name=f"moe/shared_{x.name.split('/')[1]}", saved_by=f"shared experts' {x.saved_by}",
+            shape=(Dim.B, Dim.S, Dim.U))
     for x in _MLP_TENSORS
 )
 
@@ -298,17 +296,15 @@ MOE_TENSORS: tuple[SavedTensor, ...] = (
 # latents are whole per token (TP splits only the up projections' heads); under SP they are sequence shards,
 # each up projection gathering its input as the QKV linear does. The RoPE key part is not kept: RoPE keeps
 # only its cos/sin tables (they need no gradient), and the concatenation into K copies it.
-_BSQR = (Dim.B, Dim.S, Dim.QR)
-_BSKVR = (Dim.B, Dim.S, Dim.KVR)
 MLA_Q_NORM = _norm("mla/q_norm_", "the query up projection", Dim.QR)
 MLA_KV_NORM = _norm("mla/kv_norm_", "the key/value up projection", Dim.KVR)
 MLA_Q_UP_IN = SavedTensor(
-    "mla/q_up_in", "query up projection (column-parallel), on the normalised query latent", _BSQR, Kind.ACTIVATION,
-    Region.SEQUENCE, WHY_GATHERED_INPUT,
+    "mla/q_up_in", "query up projection (column-parallel), on the normalised query latent",
+    (Dim.B, Dim.S, Dim.QR), Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
 )
 MLA_KV_UP_IN = SavedTensor(
-    "mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent", _BSKVR,
-    Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
+    "mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent",
+    (Dim.B, Dim.S, Dim.KVR), Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
 )
 MLA_Q = replace(Q, name="mla/q", saved_by=f"{Q.saved_by}: [q_nope | RoPE(q_rope)] per head",
                 shape=(Dim.B, Dim.A, Dim.S, Dim.QK))
