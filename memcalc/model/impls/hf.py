@@ -292,13 +292,10 @@ OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32
                         saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
 # Under FSDP2's mixed precision every sharded decoder layer is called with those fp32 tables cast to the activation
 # dtype (MixedPrecisionPolicy casts a layer's floating inputs): each layer's products keep a copy of its own.
-_FSDP2_COPY = "the layer's own copy, cast by FSDP2's mixed precision"
-OLMO_ROPE_CAST = (
-    replace(ROPE_COS, name="attention/rope_cos_cast", stage="layer",
-            saved_by=f"OLMo apply_rotary_pos_emb: q * cos, cos: {_FSDP2_COPY}"),
-    replace(ROPE_SIN, name="attention/rope_sin_cast", stage="layer",
-            saved_by=f"OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin: {_FSDP2_COPY}"),
-)
+OLMO_ROPE_CAST = tuple(
+    replace(x, name=f"attention/rope_{table}_cast", stage="layer", saved_by=f"OLMo apply_rotary_pos_emb: {product},"
+            f" {table}: the layer's own copy, cast by FSDP2's mixed precision")
+    for x, table, product in ((ROPE_COS, "cos", "q * cos"), (ROPE_SIN, "sin", "rotate_half(q) * sin")))
 K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", BASD, Kind.ACTIVATION, _TEN,
                          "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
 V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", BASD, Kind.ACTIVATION, _TEN,
