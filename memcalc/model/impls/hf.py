@@ -552,8 +552,8 @@ def rope_tables(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ROPE_COS, ROPE_SIN) if is_llama(knobs) or is_falcon(knobs) else ()
 
 
-# The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm, OlmoLayerNorm, gpt-oss's
-# GptOssRMSNorm (OLMo 2, rmsnorm_fp32w too, has post-norms only; Cohere's one norm is CohereLayerNorm, `norm_block`).
+# The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm, OlmoLayerNorm and gpt-oss's
+# GptOssRMSNorm (OLMo 2's rmsnorm_fp32w layer has post-norms only; Cohere's one norm is its own, see `norm_block`).
 PRE_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2), "layernorm_np": (OLMO_LN1, OLMO_LN2),
              "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
 
@@ -786,7 +786,6 @@ def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 # code, OLMo 2's post-norms (its only ones).
 POST_NORMS = {"rmsnorm_1p": (GEMMA_POST_ATTN, GEMMA_POST_MLP), "rmsnorm": (GLM_POST_ATTN, GLM_POST_MLP),
               "rmsnorm_fp32w": (OLMO2_ATTN_OUT, OLMO2_MLP_OUT)}
-
 
 
 def check(knobs: Any) -> None:
