@@ -153,6 +153,11 @@ def _norm(prefix: str, before: str, width: Dim = Dim.H) -> NormTensors:
     return _norm_tensors(stem, f"norm before {before}", (Dim.B, Dim.S), width, Region.SEQUENCE)
 
 
+def _mask(name: str, saved_by: str, shape: tuple[Dim, ...], region: Region, stage: str = "layer") -> SavedTensor:
+    """A dropout's one-byte mask: every dropout keeps one, for the same reason."""
+    return SavedTensor(name, saved_by, shape, Kind.MASK, region, WHY_DROPOUT_MASK, stage=stage)
+
+
 # Shapes many tensors share, here and in each implementation's module.
 BSH = (Dim.B, Dim.S, Dim.H)
 BSF = (Dim.B, Dim.S, Dim.F)
@@ -196,9 +201,7 @@ SOFTMAX_OUT = SavedTensor(
     "attention/softmax_out", "softmax", BASS, Kind.ACTIVATION, Region.TENSOR,
     "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
 )
-ATTN_DROPOUT_MASK = SavedTensor(
-    "attention/dropout_mask", "attention dropout", BASS, Kind.MASK, Region.TENSOR, WHY_DROPOUT_MASK,
-)
+ATTN_DROPOUT_MASK = _mask("attention/dropout_mask", "attention dropout", BASS, Region.TENSOR)
 ATTN_DROPOUT_OUT = SavedTensor(
     "attention/dropout_out", "weights x V matmul", BASS, Kind.ACTIVATION, Region.TENSOR,
     "the gradient of V is (dropped-out weights)^T dOut",
@@ -212,9 +215,7 @@ PROJ_IN = SavedTensor(
     Kind.ACTIVATION, Region.TENSOR,
     "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
 )
-ATTN_OUT_DROPOUT_MASK = SavedTensor(
-    "attention/out_dropout_mask", "dropout after attention", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
-)
+ATTN_OUT_DROPOUT_MASK = _mask("attention/out_dropout_mask", "dropout after attention", BSH, Region.SEQUENCE)
 
 FC1_IN = SavedTensor("mlp/fc1_in", "fc1 (column-parallel)", BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT)
 GELU_IN = SavedTensor(
@@ -235,9 +236,7 @@ SWIGLU_SILU_OUT = SavedTensor(
 FC2_IN = SavedTensor(
     "mlp/fc2_in", "fc2 (row-parallel)", BSF, Kind.ACTIVATION, Region.TENSOR, "dW = X^T dY needs the input",
 )
-MLP_DROPOUT_MASK = SavedTensor(
-    "mlp/dropout_mask", "dropout after the MLP", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
-)
+MLP_DROPOUT_MASK = _mask("mlp/dropout_mask", "dropout after the MLP", BSH, Region.SEQUENCE)
 
 # -- A mixture-of-experts layer: its MLP is a router, E expert MLPs and (optionally) shared experts ----------------
 # A router scores each token against the E experts and sends it to its top k; each expert runs its MLP on the
@@ -343,10 +342,7 @@ EMBEDDING_INPUT_IDS = SavedTensor(
     "embedding/input_ids", "word embedding lookup", (Dim.B, Dim.S), Kind.INT64, Region.REPLICATED,
     "the embedding's weight gradient adds dY into the rows the token ids picked", paper=False, stage="first",
 )
-EMBEDDING_DROPOUT_MASK = SavedTensor(
-    "embedding/dropout_mask", "dropout after the embedding", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
-    stage="first",
-)
+EMBEDDING_DROPOUT_MASK = _mask("embedding/dropout_mask", "dropout after the embedding", BSH, Region.SEQUENCE, "first")
 FINAL_NORM = NormTensors(*(replace(x, stage="last") for x in _norm("final_norm", "the output layer")))
 OUTPUT_INPUT = SavedTensor(
     "output/input", "output layer (column-parallel over the vocabulary)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
