@@ -164,6 +164,13 @@ BSF = (Dim.B, Dim.S, Dim.F)
 BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
 BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 
+
+def _linear_input(name: str, saved_by: str, shape: tuple[Dim, ...] = BSH, stage: str = "layer") -> SavedTensor:
+    """A column-parallel linear's input, kept for its weight's gradient: outside the pair, so SP keeps its sequence
+    shard and re-gathers it (`WHY_GATHERED_INPUT`)."""
+    return SavedTensor(name, saved_by, shape, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT, stage=stage)
+
+
 LAYER_INPUT = SavedTensor(
     "layer/input", "full-layer checkpoint", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     "full recomputation keeps only the layer's input and reruns its forward in backward",
@@ -180,9 +187,7 @@ def _head_norm(which: str, heads: Dim) -> NormTensors:
     return _norm_tensors(f"attention/{which}_norm_", by, (Dim.B, heads, Dim.S), Dim.D, Region.TENSOR)
 
 
-QKV_IN = SavedTensor(
-    "attention/qkv_in", "QKV linear (column-parallel)", BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
-)
+QKV_IN = _linear_input("attention/qkv_in", "QKV linear (column-parallel)")
 Q = SavedTensor(
     "attention/q", "core attention (QK^T or flash kernel)", BASD,
     Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
@@ -217,7 +222,7 @@ PROJ_IN = SavedTensor(
 )
 ATTN_OUT_DROPOUT_MASK = _mask("attention/out_dropout_mask", "dropout after attention", BSH, Region.SEQUENCE)
 
-FC1_IN = SavedTensor("mlp/fc1_in", "fc1 (column-parallel)", BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT)
+FC1_IN = _linear_input("mlp/fc1_in", "fc1 (column-parallel)")
 GELU_IN = SavedTensor(
     "mlp/gelu_in", "GELU", BSF, Kind.ACTIVATION, Region.TENSOR, "GELU's derivative is evaluated at its input",
 )
@@ -297,14 +302,10 @@ MOE_TENSORS: tuple[SavedTensor, ...] = (
 # only its cos/sin tables (they need no gradient), and the concatenation into K copies it.
 MLA_Q_NORM = _norm("mla/q_norm_", "the query up projection", Dim.QR)
 MLA_KV_NORM = _norm("mla/kv_norm_", "the key/value up projection", Dim.KVR)
-MLA_Q_UP_IN = SavedTensor(
-    "mla/q_up_in", "query up projection (column-parallel), on the normalised query latent",
-    (Dim.B, Dim.S, Dim.QR), Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
-)
-MLA_KV_UP_IN = SavedTensor(
-    "mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent",
-    (Dim.B, Dim.S, Dim.KVR), Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
-)
+MLA_Q_UP_IN = _linear_input("mla/q_up_in", "query up projection (column-parallel), on the normalised query latent",
+                            (Dim.B, Dim.S, Dim.QR))
+MLA_KV_UP_IN = _linear_input("mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent",
+                             (Dim.B, Dim.S, Dim.KVR))
 MLA_Q = replace(Q, name="mla/q", saved_by=f"{Q.saved_by}: [q_nope | RoPE(q_rope)] per head",
                 shape=(Dim.B, Dim.A, Dim.S, Dim.QK))
 MLA_K = replace(K, name="mla/k", saved_by=f"{K.saved_by}: [k_nope | RoPE(k_rope) copied to every head]",
@@ -344,10 +345,7 @@ EMBEDDING_INPUT_IDS = SavedTensor(
 )
 EMBEDDING_DROPOUT_MASK = _mask("embedding/dropout_mask", "dropout after the embedding", BSH, Region.SEQUENCE, "first")
 FINAL_NORM = NormTensors(*(replace(x, stage="last") for x in _norm("final_norm", "the output layer")))
-OUTPUT_INPUT = SavedTensor(
-    "output/input", "output layer (column-parallel over the vocabulary)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    WHY_GATHERED_INPUT, stage="last",
-)
+OUTPUT_INPUT = _linear_input("output/input", "output layer (column-parallel over the vocabulary)", stage="last")
 LOSS_LOGITS = SavedTensor(
     "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", (Dim.B, Dim.S, Dim.V), Kind.FP32, Region.TENSOR,
     "the loss's gradient is softmax(logits) - onehot(target), from the fp32 softmax kept in forward", stage="last",
