@@ -165,6 +165,11 @@ BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
 BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 
 
+def in_pair(name: str, saved_by: str, shape: tuple[Dim, ...], why: str) -> SavedTensor:
+    """An activation-dtype tensor inside the column/row-parallel pair, which TP splits (its heads or its width)."""
+    return SavedTensor(name, saved_by, shape, Kind.ACTIVATION, Region.TENSOR, why)
+
+
 def _linear_input(name: str, saved_by: str, shape: tuple[Dim, ...] = BSH, stage: str = "layer") -> SavedTensor:
     """A column-parallel linear's input, kept for its weight's gradient: outside the pair, so SP keeps its sequence
     shard and re-gathers it (`WHY_GATHERED_INPUT`)."""
@@ -188,59 +193,34 @@ def _head_norm(which: str, heads: Dim) -> NormTensors:
 
 
 QKV_IN = _linear_input("attention/qkv_in", "QKV linear (column-parallel)")
-Q = SavedTensor(
-    "attention/q", "core attention (QK^T or flash kernel)", BASD,
-    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
-)
-K = SavedTensor(
-    "attention/k", "core attention (QK^T or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
-    Kind.ACTIVATION, Region.TENSOR, "the gradient of Q in QK^T is dScores K",
-)
-V = SavedTensor(
-    "attention/v", "core attention (weights x V or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
-    Kind.ACTIVATION, Region.TENSOR, "the gradient of the attention weights is dOut V^T",
-)
+Q = in_pair("attention/q", "core attention (QK^T or flash kernel)", BASD, "the gradient of K in QK^T is dScores^T Q")
+K = in_pair("attention/k", "core attention (QK^T or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
+            "the gradient of Q in QK^T is dScores K")
+V = in_pair("attention/v", "core attention (weights x V or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
+            "the gradient of the attention weights is dOut V^T")
 Q_NORM = _head_norm("q", Dim.A)
 K_NORM = _head_norm("k", Dim.G)
-SOFTMAX_OUT = SavedTensor(
-    "attention/softmax_out", "softmax", BASS, Kind.ACTIVATION, Region.TENSOR,
-    "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
-)
+SOFTMAX_OUT = in_pair("attention/softmax_out", "softmax", BASS,
+                      "softmax backward, diag(S') - S'S'^T, needs its output, not its input")
 ATTN_DROPOUT_MASK = _mask("attention/dropout_mask", "attention dropout", BASS, Region.TENSOR)
-ATTN_DROPOUT_OUT = SavedTensor(
-    "attention/dropout_out", "weights x V matmul", BASS, Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of V is (dropped-out weights)^T dOut",
-)
+ATTN_DROPOUT_OUT = in_pair("attention/dropout_out", "weights x V matmul", BASS,
+                           "the gradient of V is (dropped-out weights)^T dOut")
 SOFTMAX_LSE = SavedTensor(
     "attention/softmax_lse", "flash attention kernel", (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
     "flash attention rebuilds the softmax in backward from Q, K and each row's log-sum-exp", paper=False,
 )
-PROJ_IN = SavedTensor(
-    "attention/proj_in", "output projection (row-parallel), on a heads of d", (Dim.B, Dim.S, Dim.A, Dim.D),
-    Kind.ACTIVATION, Region.TENSOR,
-    "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
-)
+PROJ_IN = in_pair("attention/proj_in", "output projection (row-parallel), on a heads of d",
+                  (Dim.B, Dim.S, Dim.A, Dim.D),
+                  "dW = X^T dY needs the input (flash attention saves this same tensor as its output)")
 ATTN_OUT_DROPOUT_MASK = _mask("attention/out_dropout_mask", "dropout after attention", BSH, Region.SEQUENCE)
 
 FC1_IN = _linear_input("mlp/fc1_in", "fc1 (column-parallel)")
-GELU_IN = SavedTensor(
-    "mlp/gelu_in", "GELU", BSF, Kind.ACTIVATION, Region.TENSOR, "GELU's derivative is evaluated at its input",
-)
-SWIGLU_GATE = SavedTensor(
-    "mlp/gate", "SiLU", BSF, Kind.ACTIVATION, Region.TENSOR,
-    "SiLU's derivative is evaluated at its input, the gate projection",
-)
-SWIGLU_UP = SavedTensor(
-    "mlp/up", "SiLU(gate) * up", BSF, Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of SiLU(gate) in the product is dY * up",
-)
-SWIGLU_SILU_OUT = SavedTensor(
-    "mlp/silu_out", "SiLU(gate) * up", BSF, Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of up in the product is dY * SiLU(gate)",
-)
-FC2_IN = SavedTensor(
-    "mlp/fc2_in", "fc2 (row-parallel)", BSF, Kind.ACTIVATION, Region.TENSOR, "dW = X^T dY needs the input",
-)
+GELU_IN = in_pair("mlp/gelu_in", "GELU", BSF, "GELU's derivative is evaluated at its input")
+SWIGLU_GATE = in_pair("mlp/gate", "SiLU", BSF, "SiLU's derivative is evaluated at its input, the gate projection")
+SWIGLU_UP = in_pair("mlp/up", "SiLU(gate) * up", BSF, "the gradient of SiLU(gate) in the product is dY * up")
+SWIGLU_SILU_OUT = in_pair("mlp/silu_out", "SiLU(gate) * up", BSF,
+                          "the gradient of up in the product is dY * SiLU(gate)")
+FC2_IN = in_pair("mlp/fc2_in", "fc2 (row-parallel)", BSF, "dW = X^T dY needs the input")
 MLP_DROPOUT_MASK = _mask("mlp/dropout_mask", "dropout after the MLP", BSH, Region.SEQUENCE)
 
 # -- A mixture-of-experts layer: its MLP is a router, E expert MLPs and (optionally) shared experts ----------------
@@ -314,11 +294,10 @@ MLA_V = replace(V, name="mla/v", saved_by=f"{V.saved_by}: values up-projected fr
                 shape=(Dim.B, Dim.A, Dim.S, Dim.DV))
 # V is a d_v-wide split of each head of the key/value up projection's output: where the core keeps it as that view (a
 # size condition of the implementation's says where), the whole output is kept in V's place.
-MLA_KV_UP_OUT = SavedTensor(
+MLA_KV_UP_OUT = in_pair(
     "mla/kv_up_out", "core attention (weights x V) where V is a view of it: the key/value up projection's output",
-    (Dim.B, Dim.S, Dim.A, Dim.NV), Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of the attention weights is dOut V^T: V is read from the output it views",
-)
+    (Dim.B, Dim.S, Dim.A, Dim.NV),
+    "the gradient of the attention weights is dOut V^T: V is read from the output it views")
 MLA_PROJ_IN = replace(PROJ_IN, name="mla/proj_in", saved_by="output projection (row-parallel), on a heads of d_v",
                       shape=(Dim.B, Dim.S, Dim.A, Dim.DV))
 MLA_TENSORS: tuple[SavedTensor, ...] = (
