@@ -17,36 +17,25 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.rules import divides
-from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor, small_moe
+from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor, in_pair, small_moe
 from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
-K_EXPANDED = SavedTensor(
-    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", BASD,
-    Kind.ACTIVATION, Region.TENSOR, "QK^T reads K copied to every head of its group; dQ = dScores K needs the copy",
-)
-V_EXPANDED = SavedTensor(
-    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", BASD,
-    Kind.ACTIVATION, Region.TENSOR, "weights x V reads V copied to every head; dWeights = dOut V^T needs the copy",
-)
-QKV_QUERY_COLUMNS = SavedTensor(
-    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", BASD,
-    Kind.ACTIVATION, Region.TENSOR,
-    "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
-)
-QUERY_COPY = SavedTensor(
-    "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
-    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", BASD,
-    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy",
-)
-QKV_OUT = SavedTensor(
-    "attention/qkv_out", "DotProductAttention at b = 1, one K/V group per rank: QK^T's query is a view of the fused"
-    " QKV output", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of K in QK^T is dScores^T Q: Q is read from the fused output it views, kept whole",
-)
-SWIGLU_UP_COPY = SavedTensor(
-    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", BSF,
-    Kind.ACTIVATION, Region.TENSOR, "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it",
-)
+K_EXPANDED = in_pair("attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", BASD,
+                     "QK^T reads K copied to every head of its group; dQ = dScores K needs the copy")
+V_EXPANDED = in_pair("attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V",
+                     BASD, "weights x V reads V copied to every head; dWeights = dOut V^T needs the copy")
+QKV_QUERY_COLUMNS = in_pair("attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused"
+                            " QKV output)", BASD, "K and V are kept as views of the fused QKV output, which keeps its"
+                            " query columns alive beside the query copy")
+QUERY_COPY = in_pair("attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors'"
+                     " query.reshape with several K/V groups per rank, else DotProductAttention's"
+                     " query.reshape(sq, b*np, hn))", BASD,
+                     "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy")
+QKV_OUT = in_pair("attention/qkv_out", "DotProductAttention at b = 1, one K/V group per rank: QK^T's query is a view of"
+                  " the fused QKV output", (Dim.B, Dim.S, Dim.QKV, Dim.D), "the gradient of K in QK^T is dScores^T Q: Q"
+                  " is read from the fused output it views, kept whole")
+SWIGLU_UP_COPY = in_pair("mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", BSF,
+                         "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it")
 CAUSAL_MASK = SavedTensor(
     "attention/causal_mask", "FusedScaleMaskSoftmax.forward_torch_softmax: masked_fill_(causal mask)",
     (Dim.S, Dim.S), Kind.MASK, Region.REPLICATED,
