@@ -16,7 +16,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import (Implementation, Refusal, Rerun, SizeCondition, SizeRule, always,
                                       check_grouped_mm, drop_small)
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import BASD, BASS, BSF, BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import BASD, BASS, BSF, BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor, in_pair
 from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
 
 _SEQ, _TEN = Region.SEQUENCE, Region.TENSOR
@@ -152,9 +152,8 @@ GEMMA_LN2 = _gemma_norm("ln2", "the norm before the MLP: post_attention_layernor
 # Gemma 2's sandwich norms: GemmaRMSNorm's code on the attention's output and on the MLP's output.
 GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernorm, on the attention's output")
 GEMMA_POST_MLP = _gemma_norm("ln_post_mlp", "Gemma 2's post_feedforward_layernorm, on the MLP's output")
-SOFTCAP_TANH = SavedTensor(
-    "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", BASS,
-    Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output")
+SOFTCAP_TANH = in_pair("attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)",
+                       BASS, "tanh's derivative, 1 - tanh^2, is read from its output")
 # GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
 GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
                      why="GELU's derivative is evaluated at its input, the gate projection")
@@ -224,10 +223,9 @@ NEOX_ROPE_COS, NEOX_ROPE_SIN = _tables(
 # GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
 # eager matmul folds it into a bmm batch without a copy and keeps that whole storage (see REPEAT_KV): Q, K and V's
 # heads side by side.
-NEOX_QKV_OUT = SavedTensor(
-    "attention/qkv_out", "GPT-NeoX's and Phi-3's eager at b = 1: matmul(weights, v) keeps the fused query_key_value"
-    " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
-    "the gradient of the attention weights is dOut V^T: V is read from the fused output it views")
+NEOX_QKV_OUT = in_pair("attention/qkv_out", "GPT-NeoX's and Phi-3's eager at b = 1: matmul(weights, v) keeps the fused"
+                       " query_key_value (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D),
+                       "the gradient of the attention weights is dOut V^T: V is read from the fused output it views")
 # GLM's apply_rotary_pos_emb interleaves the model's (1, s, d_r) tables (cos[..., :d_r/2].repeat_interleave(2)): the
 # new (s, d_r) tables are what q_rot * cos and rotate_half(q_rot) * sin keep, once per layer.
 GLM_ROPE_COS, GLM_ROPE_SIN = _tables(
@@ -240,9 +238,9 @@ GLM_ROPE_COS, GLM_ROPE_SIN = _tables(
 # from code). Llama's query is a view of q_proj's (b, s, a, d) output, so o_proj reads the output itself; GLM's is the
 # contiguous (b, a, s, d) torch.cat of its rotated and passed channels, so transformers' transpose(1, 2).contiguous()
 # copies the output for o_proj, and the kernel keeps the output of its own.
-GLM_SDPA_OUT = SavedTensor(
-    "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", BASD,
-    Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)")
+GLM_SDPA_OUT = in_pair("attention/sdpa_out_bhsd",
+                       "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", BASD,
+                       "flash attention's backward reads its output (for the softmax's gradient)")
 # FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]),
 # under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64
 # tensor, for its backward.
@@ -256,13 +254,12 @@ FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
 # flattens them: a copy at every head (a view only with one group, or one head a group). RoPE's product is K at every
 # head whatever g is, and QK^T keeps it; SDPA keeps V as passed: the flattened copy at a heads, or with one group the
 # (b, s, 1, 1, d) index's output it views with stride 0 (the ledger's V at g = 1).
-FALCON_K_HEADS = SavedTensor(
-    "attention/k_broadcast", "apply_rotary_pos_emb (new_decoder_architecture): K broadcast to every head, rotated;"
-    " kept by QK^T (eager) or SDPA", BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K")
-FALCON_V_HEADS = SavedTensor(
-    "attention/v_broadcast", "FalconAttention._split_heads (new_decoder_architecture): V broadcast to every head of its"
-    " group and flattened, a copy; kept by SDPA", BASD, Kind.ACTIVATION, _TEN,
-    "the gradient of the attention weights is dOut V^T")
+FALCON_K_HEADS = in_pair("attention/k_broadcast", "apply_rotary_pos_emb (new_decoder_architecture): K broadcast to"
+                         " every head, rotated; kept by QK^T (eager) or SDPA", BASD,
+                         "the gradient of Q in QK^T is dScores K")
+FALCON_V_HEADS = in_pair("attention/v_broadcast", "FalconAttention._split_heads (new_decoder_architecture): V broadcast"
+                         " to every head of its group and flattened, a copy; kept by SDPA", BASD,
+                         "the gradient of the attention weights is dOut V^T")
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
 GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
@@ -296,16 +293,16 @@ OLMO_ROPE_CAST = tuple(
     replace(x, name=f"attention/rope_{table}_cast", stage="layer", saved_by=f"OLMo apply_rotary_pos_emb: {product},"
             f" {table}: the layer's own copy, cast by FSDP2's mixed precision")
     for x, table, product in ((ROPE_COS, "cos", "q * cos"), (ROPE_SIN, "sin", "rotate_half(q) * sin")))
-K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", BASD, Kind.ACTIVATION, _TEN,
-                         "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
-V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", BASD, Kind.ACTIVATION, _TEN,
-                         "eager attention copies each V group to its a/g heads; the weights' gradient reads the copy")
+K_EXPANDED = in_pair("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", BASD,
+                     "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
+V_EXPANDED = in_pair("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", BASD,
+                     "eager attention copies each V group to its a/g heads; the weights' gradient reads the copy")
 SOFTMAX_FP32 = SavedTensor(
     "attention/softmax_fp32", "eager_attention_forward: softmax(dtype=float32)", BASS, Kind.FP32, _TEN,
     "softmax backward needs its output, here the fp32 one")
-WEIGHTS = SavedTensor(
-    "attention/weights", "eager_attention_forward: softmax output .to(query.dtype), kept by matmul(weights, v)",
-    BASS, Kind.ACTIVATION, _TEN, "the gradient of V is weights^T dOut")
+WEIGHTS = in_pair("attention/weights",
+                  "eager_attention_forward: softmax output .to(query.dtype), kept by matmul(weights, v)", BASS,
+                  "the gradient of V is weights^T dOut")
 # torch's CPU math kernel (aten _scaled_dot_product_attention_math), run when dropout > 0 on a CPU: all of it fp32
 
 
@@ -343,22 +340,20 @@ FLASH_DROPOUT_LSE = replace(
 
 # Where the tp plan gathers the attention (OLMo 2's), o_proj's input is a split copy of the attention's output
 # (rowwise_split_input), so the flash kernel's own saved output is a storage of its own, every head's.
-SDPA_OUT = SavedTensor(
-    "attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input under tp) no longer"
-    " shares", BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)")
+SDPA_OUT = in_pair("attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input"
+                   " under tp) no longer shares", BASD,
+                   "flash attention's backward reads its output (the rows' dO . O sums)")
 # At t = 1 the plan lays out nothing: o_proj's input is the flash kernel's output, one storage.
 SPLIT_PROJ_INPUT = SizeCondition(
     SDPA_OUT, "only under tp (t > 1) does transformers' rowwise_split_input copy o_proj's input out of the flash"
     " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1)
 
-TANH_OUT = SavedTensor("mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", BSF, Kind.ACTIVATION, _TEN,
-                       "tanh's derivative, 1 - tanh^2, is read from its output")
-HALF_X = SavedTensor(
-    "mlp/half_x", "NewGELUActivation (gelu_new): 0.5 * x, kept by the final product", BSF, Kind.ACTIVATION, _TEN,
-    "the gradient of (1 + tanh(.)) in 0.5x * (1 + tanh(.)) is dY * 0.5x")
-ONE_PLUS_TANH = SavedTensor(
-    "mlp/one_plus_tanh", "NewGELUActivation (gelu_new): 1 + tanh(.), kept by the final product", BSF,
-    Kind.ACTIVATION, _TEN, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))")
+TANH_OUT = in_pair("mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", BSF,
+                   "tanh's derivative, 1 - tanh^2, is read from its output")
+HALF_X = in_pair("mlp/half_x", "NewGELUActivation (gelu_new): 0.5 * x, kept by the final product", BSF,
+                 "the gradient of (1 + tanh(.)) in 0.5x * (1 + tanh(.)) is dY * 0.5x")
+ONE_PLUS_TANH = in_pair("mlp/one_plus_tanh", "NewGELUActivation (gelu_new): 1 + tanh(.), kept by the final product",
+                        BSF, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))")
 
 
 # MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, their routers and both experts_implementation paths:
@@ -442,10 +437,10 @@ SINK_MAX_INDICES = SavedTensor(
     "attention/sink_max_indices", "gpt-oss eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
     (Dim.B, Dim.A, Dim.S), Kind.INT64, _TEN, "max's backward puts each row maximum's gradient back at its index",
     paper=False)
-SINK_SOFTMAX = SavedTensor(
-    "attention/sink_softmax", "gpt-oss eager_attention_forward: softmax over the scores and the sink column, in the"
-    " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
-    Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage")
+SINK_SOFTMAX = in_pair("attention/sink_softmax", "gpt-oss eager_attention_forward: softmax over the scores and the sink"
+                       " column, in the activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it",
+                       (Dim.B, Dim.A, Dim.S, Dim.S1),
+                       "softmax backward needs its output; the gradient of V reads the same storage")
 ROUTER_TOPK_SOFTMAX = ledger.small_moe(
     "router_topk_softmax", "gpt-oss GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
     (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, "softmax backward needs its output")
