@@ -14,7 +14,7 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor, small_moe
+from memcalc.model.ledger import BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor, in_pair, small_moe
 from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
 
 _SEQ = Region.SEQUENCE
@@ -60,11 +60,9 @@ FC1_IN = SavedTensor(
     "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", BSH,
     Kind.ACTIVATION, _SEQ, _WHY_GATHERED + "; w1 and w3 share it",
 )
-QKV_OUT = SavedTensor(
-    "attention/qkv_out", "SelectiveAC: MUST_SAVE of the wqkv matmul (the first matmul of the block)",
-    (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, Region.TENSOR,
-    "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
-)
+QKV_OUT = in_pair("attention/qkv_out", "SelectiveAC: MUST_SAVE of the wqkv matmul (the first matmul of the block)",
+                  (Dim.B, Dim.S, Dim.QKV, Dim.D),
+                  "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it")
 FC2_OUT = SavedTensor(
     "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", BSH,
     Kind.ACTIVATION, _SEQ,
@@ -330,11 +328,9 @@ def _gate_shaped(config: Any) -> tuple[str, ...]:
 
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
-V_IN_QKV_OUT = SavedTensor(
-    "attention/v_qkv_view", "SDPA: V, passed as a view of the fused wqkv output", (Dim.B, Dim.S, Dim.QKV, Dim.D),
-    Kind.ACTIVATION, Region.TENSOR,
-    "the kernel keeps V as passed; a view keeps its base, the whole fused output, alive",
-)
+V_IN_QKV_OUT = in_pair("attention/v_qkv_view", "SDPA: V, passed as a view of the fused wqkv output",
+                       (Dim.B, Dim.S, Dim.QKV, Dim.D),
+                       "the kernel keeps V as passed; a view keeps its base, the whole fused output, alive")
 CONDITIONS = (
     SizeCondition(
         ledger.V, "FusedQKVLinear splits the (b, s, g, a/g + 2, d) wqkv output and calls .contiguous() on V's"
