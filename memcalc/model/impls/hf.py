@@ -166,6 +166,8 @@ GATED = {"swiglu": (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT
          "geglu_tanh": (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)}
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
+
+
 def tables_cast(knobs: Any, layer_inputs_cast: bool) -> bool:
     """Whether each layer keeps its own copy of the model's fp32 RoPE tables (OLMo's), cast to the activation dtype
     by FSDP2's mixed precision (`layer_inputs_cast`: dp_shard set), not the model's one fp32 pair."""

@@ -32,8 +32,8 @@ QUERY_COPY = in_pair("attention/q_copy", "QK^T under GQA: the query heads' copy 
                      " query.reshape(sq, b*np, hn))", BASD,
                      "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy")
 QKV_OUT = in_pair("attention/qkv_out", "DotProductAttention at b = 1, one K/V group per rank: QK^T's query is a view of"
-                  " the fused QKV output", (Dim.B, Dim.S, Dim.QKV, Dim.D), "the gradient of K in QK^T is dScores^T Q: Q"
-                  " is read from the fused output it views, kept whole")
+                  " the fused QKV output", (Dim.B, Dim.S, Dim.QKV, Dim.D),
+                  "the gradient of K in QK^T is dScores^T Q: Q is read from the fused output it views, kept whole")
 SWIGLU_UP_COPY = in_pair("mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", BSF,
                          "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it")
 CAUSAL_MASK = SavedTensor(
@@ -132,6 +132,7 @@ EXPERT_ACT_OUT = SavedTensor(
 )
 EXPERT_PROBS = small_moe("expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,),
                          Kind.ACTIVATION, "the gradient of the activation in the product is dY * probs", Region.EXPERT)
+
 
 def _rope_table(part: str, fn: str, why: str) -> SavedTensor:
     return SavedTensor(
