@@ -47,10 +47,6 @@ class Variant:
     accounting: Accounting
     meaning: str
 
-    @property
-    def flags(self) -> str:
-        return _flags(self.knobs, self.accounting)
-
 
 def _flags(knobs: Knobs, accounting: Accounting = Accounting()) -> str:
     """The CLI flags that select `knobs` and `accounting`: the fields that differ from the defaults."""
@@ -175,7 +171,7 @@ def _variant(v: Variant) -> str:
     old, new = terms_by_tensor(_formulas(Knobs(), Accounting(), names)), terms_by_tensor(formulas)
     added_or_changed = [(x, exprs) for x, exprs in new.items() if old.get(x) != exprs]
     removed = [(x, exprs) for x, exprs in old.items() if x not in new]
-    parts = [f"## Variant `{v.flags}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
+    parts = [f"## Variant `{_flags(v.knobs, v.accounting)}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
              totals(formulas)]
     if added_or_changed:
         table, latex = terms_table(added_or_changed, names), terms_latex(added_or_changed, names)
