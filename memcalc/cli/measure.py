@@ -229,9 +229,9 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
         if comm and m.comm and m.comm[0]:
             console.print(_comm_table(m))
         cuda = m.ranks[0].cuda
-        seen = () if cuda is None else (
+        seen = [] if cuda is None else [
             f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
-            f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",)
+            f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start"]
         print_outcome(f"{m.layer}, {m.how()}", m.notes, m.matches, "every tensor agrees to the byte", *seen)
 
 
