@@ -8,9 +8,8 @@ docs/templates/model.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 
-from memcalc.docgen.template import filled, heading, md_table
+from memcalc.docgen.template import DOCS_DIR, filled, heading, md_table
 from memcalc.model import formula as F
 from memcalc.model import ledger
 from memcalc.model.impls import implementation, layer_tensors
@@ -19,7 +18,7 @@ from memcalc.model.knobs import DTYPE_BYTES, KNOBS, Accounting, Knobs
 from memcalc.model.ledger import Region, SavedTensor
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP, Strategy
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "model.md"
+DOCS = DOCS_DIR / "model.md"
 
 BLOCK_TITLES = {
     "layer": "The whole layer (full recomputation)",
