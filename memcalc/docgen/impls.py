@@ -90,10 +90,9 @@ def _notes_path(impl: Implementation) -> Path:
 def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     """Where what the layer keeps depends on the sizes, and what it keeps then."""
     rule = impl.size_rule
-    if rule is None and not impl.size_conditions:
-        return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
-    if rule is None:
-        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl)])
+    if rule is None:  # single tensors only depend on the sizes (`SizeCondition`), or nothing does
+        nowhere = "Nowhere: the knobs alone decide what the layer keeps."
+        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl) if impl.size_conditions else nowhere])
     seed = replace(knobs, attention="eager", recompute="none", dtype="bf16", **rule.shown_with)
     inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
     changed = [x for x in outside if x not in inside]

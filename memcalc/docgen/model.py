@@ -170,8 +170,8 @@ def _variant(v: Variant) -> str:
     old, new = terms_by_tensor(_formulas(Knobs(), Accounting(), names)), terms_by_tensor(formulas)
     added_or_changed = [(x, exprs) for x, exprs in new.items() if old.get(x) != exprs]
     removed = [(x, exprs) for x, exprs in old.items() if x not in new]
-    parts = [f"## Variant `{_flags(v.knobs, v.accounting)}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
-             totals(formulas)]
+    parts = [f"## Variant `{_flags(v.knobs, v.accounting)}`", "", v.meaning, "",
+             *(x for line in left_out for x in (line, "")), totals(formulas)]
     if added_or_changed:
         table, latex = terms_table(added_or_changed, names), terms_latex(added_or_changed, names)
         parts += ["", "Terms it adds or changes:", "", table, "", latex]
