@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from memcalc.cli import echo_json, json_document
-from memcalc.cli.options import layout_options, model_from, model_options, strategies_at, strategy_option
+from memcalc.cli.options import layout_model_options, model_from, strategies_at
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.model.comm import LayerComm, formula, layer_comm
@@ -23,9 +23,7 @@ RATE = Real(least=1e-3, most=1e9)
 
 
 @click.command("comm")
-@model_options
-@layout_options
-@strategy_option
+@layout_model_options
 @click.option("--format", "fmt", type=click.Choice(["table", "latex"]), default="table", show_default=True,
               help="table: every collective; latex: the per-layer formula of each strategy.")
 @click.option(

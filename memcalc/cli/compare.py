@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from memcalc.cli import echo_json, json_document
 from memcalc.config.schema import ModelConfig
@@ -39,9 +39,15 @@ def print_header(config: ModelConfig, what: str) -> None:
     console.print(f"[dim]{what}[/dim]")
 
 
-def verdict(matches: bool, agreed: str) -> str:
-    """The last line under a strategy's table: a match and what agreed, or that it differs."""
-    return f"[green]match[/green]: {agreed}" if matches else "[red]differs[/red]"
+def print_outcome(ran_as: str, notes: Iterable[str], matches: bool, agreed: str, *lines: str) -> None:
+    """The lines under a strategy's table: how it ran, each CPU shim's note (dimmed), `lines`, then the verdict: a
+    match and what agreed, or that it differs."""
+    from memcalc.cli.render import console
+
+    console.print(f"ran as: {ran_as}")
+    for line in (*(f"[dim]shim: {note}[/dim]" for note in notes), *lines):
+        console.print(line)
+    console.print(f"[green]match[/green]: {agreed}" if matches else "[red]differs[/red]")
 
 
 def comparison_table(title: str, *labels: str) -> Table:

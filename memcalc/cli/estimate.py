@@ -9,8 +9,7 @@ import click
 
 from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
-    LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategies_at,
-    strategy_option,
+    LAYOUT_FLAGS, accounting_options, device_options, layout_model_options, model_from, strategies_at,
 )
 from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig
@@ -31,9 +30,7 @@ TOTALS_FLAGS = (*(flag for flag in LAYOUT_FLAGS if flag != "cp"), "gpu", "device
 
 
 @click.command("estimate")
-@model_options
-@layout_options
-@strategy_option
+@layout_model_options
 @accounting_options
 @click.option("--breakdown", is_flag=True, help="Add the per-tensor table.")
 @click.option(

@@ -8,8 +8,7 @@ import click
 
 from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
-    BYTES, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
-    strategy_option,
+    BYTES, accounting_options, fit_device_options, layout_model_options, model_from, strategy_names,
 )
 from memcalc.config.gpus import budget_for
 from memcalc.config.schema import ModelConfig, build_config, choices
@@ -37,9 +36,7 @@ _COUNTED = {
 
 
 @click.command("fit")
-@model_options
-@layout_options
-@strategy_option
+@layout_model_options
 @accounting_options
 @click.option(
     "--budget", type=BYTES, default=None,

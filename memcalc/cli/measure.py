@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli import signals_end_at_once
-from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
+from memcalc.cli.compare import add_total, comparison_table, document, print_header, print_outcome, report
 from memcalc.cli.options import model_from, model_options, sharding_options, strategies_at, strategy_option
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
@@ -228,16 +228,11 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
         console.print(_table(m))
         if comm and m.comm and m.comm[0]:
             console.print(_comm_table(m))
-        console.print(f"ran as: {m.layer}, {m.how()}")
-        for note in m.notes:
-            console.print(f"[dim]shim: {note}[/dim]")
         cuda = m.ranks[0].cuda
-        if cuda is not None:
-            console.print(
-                f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
-                f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",
-            )
-        console.print(verdict(m.matches, "every tensor agrees to the byte"))
+        seen = [] if cuda is None else [
+            f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
+            f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start"]
+        print_outcome(f"{m.layer}, {m.how()}", m.notes, m.matches, "every tensor agrees to the byte", *seen)
 
 
 def _table(m: StrategyMeasurement) -> Table:

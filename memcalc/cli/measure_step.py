@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
+from memcalc.cli.compare import add_total, comparison_table, document, print_header, print_outcome, report
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 
@@ -105,12 +105,10 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         largest = sorted(transient, key=lambda x: -x.bytes)[:TOP_TERMS]
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest))
-        console.print(f"ran as: {r.model}, {r.how()}")
-        for note in (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
-                     *(notes(config.impl, pp_step=True) if config.pp > 1 else ()),
-                     *(notes(config.impl, zero_step=True) if config.zero_stage is not None else ())):
-            console.print(f"[dim]shim: {note}[/dim]")
-        console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
+        shims = (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
+                 *(notes(config.impl, pp_step=True) if config.pp > 1 else ()),
+                 *(notes(config.impl, zero_step=True) if config.zero_stage is not None else ()))
+        print_outcome(f"{r.model}, {r.how()}", shims, r.matches, f"the peak and every category within {tolerance:.0%}")
 
 
 def _table(r: StepComparison) -> Table:

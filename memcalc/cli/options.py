@@ -140,6 +140,8 @@ layout_options = _stack(
 
 
 model_options = _stack(config_option, hf_config_option, size_options, knob_options)
+# estimate, fit and comm: a model in its whole parallel layout, and the strategies to show
+layout_model_options = _stack(model_options, layout_options, strategy_option)
 
 
 BYTES = Parsed("size", parse_bytes)  # a size such as 80GiB, 40GB or 1024MiB (`memcalc.units.parse_bytes`)

@@ -169,9 +169,7 @@ def _output_format(out: Path | None, fmt: str | None) -> str:
         if fmt is None and out.suffix.lower() not in FORMATS:
             raise click.UsageError(f"cannot tell the format of '{out}' from its suffix: use .csv or .json, or --format")
         return fmt or FORMATS[out.suffix.lower()]
-    if fmt is not None:
-        return fmt
-    return "table" if sys.stdout.isatty() else "csv"
+    return fmt or ("table" if sys.stdout.isatty() else "csv")
 
 
 def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:

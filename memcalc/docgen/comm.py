@@ -4,18 +4,17 @@ and `memcalc.model.overlap` into docs/templates/comm.md.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
 from memcalc.config.gpus import GPUS
-from memcalc.docgen.template import filled, heading, md_table
+from memcalc.docgen.template import DOCS_DIR, filled, heading, md_table
 from memcalc.units import human_bytes
 from memcalc.model import overlap
 from memcalc.model.comm import Collective, block_docs, formula, layer_collectives
 from memcalc.model.knobs import Knobs
 from memcalc.model.strategy import STRATEGIES
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "comm.md"
+DOCS = DOCS_DIR / "comm.md"
 
 # The MoE layer the docs show: shared experts and the aux loss on, so that every collective appears once.
 _MOE = Knobs(num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_aux_loss=True)

@@ -11,13 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from memcalc.docgen.model import formula_section
-from memcalc.docgen.template import heading, md_table
+from memcalc.docgen.template import DOCS_DIR, heading, md_table
 from memcalc.model.impls import IMPLEMENTATIONS
 from memcalc.model.impls.base import Implementation
 from memcalc.model.knobs import KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXACT = Accounting(exact=True, device="cuda")  # every byte, as on the GPUs users train on
 
 
@@ -40,7 +39,7 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
     whole = ", ".join(f"`{n}`" for n in sorted(tp_plan.kept_whole())) or "none"
     notes = _notes_path(impl)
     sources = [f"memcalc/model/impls/{impl.name}.py"]
-    sources += [str(notes.relative_to(DOCS.parent))] if notes.exists() else []
+    sources += [str(notes.relative_to(DOCS_DIR.parent))] if notes.exists() else []
     return heading(f"`--impl {impl.name}`: {impl.title}", " and ".join(sources)) + "\n".join([
         f"Measured on: {impl.measured_on}.",
         "",
@@ -52,7 +51,7 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
         f"Its TP plan for them, module by module: {', '.join(f'`{r.module}` {r.style.value}' for r in tp_plan.rules)}"
         " (memcalc/model/tp_plan.py; a colwise module's entry issues f or g, a rowwise module's exit f* or g*).",
         *([f"Measured per-tensor tables: [measured-{impl.name}.md](measured-{impl.name}.md)."]
-          if (DOCS / f"measured-{impl.name}.md").exists() else []),
+          if (DOCS_DIR / f"measured-{impl.name}.md").exists() else []),
     ])
 
 
@@ -85,16 +84,15 @@ def _differences(impl: Implementation, knobs: Knobs) -> str:
 
 def _notes_path(impl: Implementation) -> Path:
     """The hand-written account of what the library's layer keeps and why (too long for its module's docstring)."""
-    return DOCS / "impl-notes" / f"{impl.name}.md"
+    return DOCS_DIR / "impl-notes" / f"{impl.name}.md"
 
 
 def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     """Where what the layer keeps depends on the sizes, and what it keeps then."""
     rule = impl.size_rule
-    if rule is None and not impl.size_conditions:
-        return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
-    if rule is None:
-        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl)])
+    if rule is None:  # single tensors only depend on the sizes (`SizeCondition`), or nothing does
+        nowhere = "Nowhere: the knobs alone decide what the layer keeps."
+        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl) if impl.size_conditions else nowhere])
     seed = replace(knobs, attention="eager", recompute="none", dtype="bf16", **rule.shown_with)
     inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
     changed = [x for x in outside if x not in inside]
@@ -129,4 +127,4 @@ def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
 
 def pages() -> dict[Path, str]:
     """Every implementation's page, by path."""
-    return {DOCS / f"impl-{impl.name}.md": render(impl) for impl in IMPLEMENTATIONS.values()}
+    return {DOCS_DIR / f"impl-{impl.name}.md": render(impl) for impl in IMPLEMENTATIONS.values()}

@@ -8,9 +8,8 @@ docs/templates/model.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 
-from memcalc.docgen.template import filled, heading, md_table
+from memcalc.docgen.template import DOCS_DIR, filled, heading, md_table
 from memcalc.model import formula as F
 from memcalc.model import ledger
 from memcalc.model.impls import implementation, layer_tensors
@@ -19,7 +18,7 @@ from memcalc.model.knobs import DTYPE_BYTES, KNOBS, Accounting, Knobs
 from memcalc.model.ledger import Region, SavedTensor
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP, Strategy
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "model.md"
+DOCS = DOCS_DIR / "model.md"
 
 BLOCK_TITLES = {
     "layer": "The whole layer (full recomputation)",
@@ -46,10 +45,6 @@ class Variant:
     knobs: Knobs
     accounting: Accounting
     meaning: str
-
-    @property
-    def flags(self) -> str:
-        return _flags(self.knobs, self.accounting)
 
 
 def _flags(knobs: Knobs, accounting: Accounting = Accounting()) -> str:
@@ -175,8 +170,8 @@ def _variant(v: Variant) -> str:
     old, new = terms_by_tensor(_formulas(Knobs(), Accounting(), names)), terms_by_tensor(formulas)
     added_or_changed = [(x, exprs) for x, exprs in new.items() if old.get(x) != exprs]
     removed = [(x, exprs) for x, exprs in old.items() if x not in new]
-    parts = [f"## Variant `{v.flags}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
-             totals(formulas)]
+    parts = [f"## Variant `{_flags(v.knobs, v.accounting)}`", "", v.meaning, "",
+             *(x for line in left_out for x in (line, "")), totals(formulas)]
     if added_or_changed:
         table, latex = terms_table(added_or_changed, names), terms_latex(added_or_changed, names)
         parts += ["", "Terms it adds or changes:", "", table, "", latex]

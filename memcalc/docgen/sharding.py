@@ -5,14 +5,13 @@ config schema and `memcalc.sizing.timeline.fsdp`'s and `zero`'s descriptions int
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from memcalc.config.schema import SHARDING_REFUSALS, build_config, field_help
-from memcalc.docgen.template import filled, heading
+from memcalc.docgen.template import DOCS_DIR, filled, heading
 from memcalc.sizing import states
 from memcalc.sizing.timeline import fsdp, zero
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "sharding.md"
+DOCS = DOCS_DIR / "sharding.md"
 
 FIELDS = ("dp_shard", "dp_replicate", "reshard_after_forward", "reduce_dtype", "zero_stage", "distributed_optimizer")
 

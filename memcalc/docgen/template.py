@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "docs" / "templates"
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"  # where every generated page goes
+TEMPLATES = DOCS_DIR / "templates"
 
 
 def filled(template: str, **slots: str) -> str:

@@ -213,7 +213,7 @@ def _check_experts(
         raise ConfigError(f"etp={fields['etp']} is fixed while t is swept; memcalc models etp = t, so leave etp out")
 
 
-def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> None:
+def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> ModelConfig:
     """Every field by `memcalc estimate`'s rules but the per-point divisibility ones, at one point that stands for
     the sweep: the first values, but s at its largest (a position table must hold it) and an L that breaks the
     pipeline rule if any does."""

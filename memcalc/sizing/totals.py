@@ -42,14 +42,11 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
     return drop_small(kept, accounting)
 
 
-def end_sizes(config: ModelConfig, strategy: Strategy) -> dict[Dim, int]:
-    """The dimensions of the model's ends: the layer's, with the vocabulary as Megatron-LM pads it."""
-    return dim_sizes(config) | {Dim.V: padded_vocab(config, strategy.weight_shards(config.t))}
-
-
 def end_bytes(x: SavedTensor, config: ModelConfig, strategy: Strategy, accounting: Accounting) -> int:
-    """Bytes one rank keeps of `x` for one micro-batch (logits span the padded vocabulary)."""
-    shape = rank_shape(x, strategy, end_sizes(config, strategy), config.t)
+    """Bytes one rank keeps of `x` for one micro-batch: the model's ends have the layer's dimensions, with the
+    vocabulary as Megatron-LM pads it (logits span the padded vocabulary)."""
+    sizes = dim_sizes(config) | {Dim.V: padded_vocab(config, strategy.weight_shards(config.t))}
+    shape = rank_shape(x, strategy, sizes, config.t)
     return element_bytes(x.kind, config, accounting) * prod(shape)
 
 
