@@ -111,7 +111,6 @@ class Sizes:
     t: int  # ranks that split the weights (1 without TP)
     sp: bool
     act: int  # activation and bf16 weight width
-    norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
     cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
     config: ModelConfig | None = None  # whose inventory (memcalc.sizing.params) `weight` reads
@@ -126,7 +125,6 @@ class Sizes:
             f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
             qkv_t=(config.a + 2 * config.groups) * d // t,
             v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
-            norm_vectors=2 if config.norm == "layernorm" else 1,
             positions=config.positions if config.position_embedding_type == "learned_absolute" else 0, config=config,
         )
 
