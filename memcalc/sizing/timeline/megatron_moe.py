@@ -319,7 +319,7 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: 
     dx2, dw2, dact, product = (named(tag, x) for x in ("fc2 input", "fc2 weight", "act", "probs product"))
     ops.append(_backward(f"{where}.linear_fc2", Step("GEMMs: dX and dW", (
         Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"),
-        Made(dw2, weight(z, f"{where}.linear_fc2"), _WGRAD)),
+        Made(dw2, weight(z, "mlp.experts.local_experts.*.linear_fc2"), _WGRAD)),
         frees=(grad,) if e == 0 else (), hands_over=(dw2,)), saves=(piece(ledger.EXPERT_FC2_IN, e),)))
     ops.append(_backward(
         where,
@@ -333,7 +333,7 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: 
     dw1 = named(tag, "fc1 weight")
     ops.append(_backward(f"{where}.linear_fc1", Step("GEMMs: dX and dW", (
         Made(named(tag, "input"), act * r * z.h, "dX = dY W, the input's gradient"),
-        Made(dw1, weight(z, f"{where}.linear_fc1"), _WGRAD)),
+        Made(dw1, weight(z, "mlp.experts.local_experts.*.linear_fc1"), _WGRAD)),
         frees=(out,), hands_over=(dw1,)), saves=(ledger.EXPERT_IN,)))
 
 

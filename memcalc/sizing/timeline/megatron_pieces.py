@@ -5,7 +5,6 @@ row- and column-parallel linears' backward, a norm's, an MLP's activation's, and
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -33,14 +32,13 @@ _CORE_NAMES = {"ln1": "input_layernorm", "ln2": "pre_mlp_layernorm", "attention.
 def weight(z: Sizes, where: str, bias: bool = False) -> int:
     """Bytes of the gradient of the weight (`bias`: of the bias, 0 without one) of the module the walk runs at `where`,
     in the training dtype on this rank, as megatron-core's inventory holds it (memcalc.sizing.params'
-    megatron_layer_params, and the output's end); a local expert's (local_experts.{e}) is one of the E/ep it lists as
-    one."""
+    megatron_layer_params, and the output's end); a local expert's (`where` its inventory path, local_experts.*) is
+    one of the E/ep the inventory lists as one."""
     module = _CORE_NAMES.get(where, where).removesuffix(".norm")  # MLA's latent norms: the probe's inside the spec
-    module, expert = re.subn(r"local_experts\.\d+", "local_experts.*", module)
     path = f"self_{module}" if module.startswith("attention.") else module
     elements = _elements(z.config, z.t)
     n = elements.get(f"{path}.bias", 0) if bias else elements[path]
-    return z.act * n // (z.config.num_experts // z.config.ep if expert else 1)
+    return z.act * n // (z.config.num_experts // z.config.ep if "*" in path else 1)
 
 
 @functools.lru_cache(maxsize=64)
