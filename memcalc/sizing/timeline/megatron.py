@@ -290,10 +290,9 @@ def _head_norms(ops: list[Op], z: Sizes, dq: str, dk: str) -> tuple[str, str]:
         ledger.K_NORM.input, ledger.V))
     dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
-        dw = f"grad/{which} norm weights"
-        ops.append(backward_only(f"attention.{which}_norm", norm_kernel(
-            z, f"attention.{which}_norm", grad, dx[which], z.act * z.b * heads * z.s * z.d, dw, hands_over=(dw,)),
-            saves=tuple(norm)))
+        where, dw = f"attention.{which}_norm", f"grad/{which} norm weights"
+        ops.append(backward_only(where, norm_kernel(z, where, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw,
+                                                    hands_over=(dw,)), saves=tuple(norm)))
         if (which == "k") == copied:
             ops.append(fused)
     return dx["q"], dx["k"]

@@ -43,7 +43,8 @@ def weight(z: Sizes, where: str, bias: bool = False) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _elements(config: ModelConfig, t: int) -> dict[str, int]:
-    """Each parameter of a layer (by its path below the layer's) and of the output's end, its elements on a rank of t."""
+    """Each parameter of a layer (by its path below the layer's) and of the output's end: its elements on a rank of
+    t."""
     return layer_elements(config, t) | {p.module: prod(p.shape) for p in part(config, t, "last")}
 
 
@@ -100,7 +101,8 @@ def norm_kernel(z: Sizes, where: str, grad: str, dx: str, dx_bytes: int, dw: str
     dY, which then goes."""
     return Step("the norm: dX, dweight" + (", dbias" if z.config.norm == "layernorm" else ""), (
         Made(dx, dx_bytes, "the norm's dX"),
-        Made(dw, weight(z, where) + weight(z, where, bias=True), "the norm's weight (and bias) gradients")), frees=(grad,), **step)
+        Made(dw, weight(z, where) + weight(z, where, bias=True), "the norm's weight (and bias) gradients")),
+        frees=(grad,), **step)
 
 
 def named(tag: str, what: str) -> str:
