@@ -149,8 +149,8 @@ class Sizes:
 
 class _Live(dict):
     """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
-    moment is then its totals and its place in the log, however many tensors are live). They change only by set, del
-    and pop."""
+    moment is then its totals and its place in the log, however many tensors are live). They change only by set and
+    pop."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,9 +166,6 @@ class _Live(dict):
         self.totals[x.category] += x.bytes
         self.log.append(x)
 
-    def __delitem__(self, name: str) -> None:
-        self.pop(name)
-
     def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
         x = dict.pop(self, name, None)
         if x is None:
@@ -178,9 +175,9 @@ class _Live(dict):
         return x
 
     def _unlogged(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("the live tensors change only by set, del and pop: the totals and the log follow those")
+        raise TypeError("the live tensors change only by set and pop: the totals and the log follow those")
 
-    update = setdefault = clear = popitem = __ior__ = _unlogged  # type: ignore[assignment]
+    update = setdefault = clear = popitem = __ior__ = __delitem__ = _unlogged  # type: ignore[assignment]
 
 
 class Tape:
