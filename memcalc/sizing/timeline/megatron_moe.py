@@ -391,7 +391,7 @@ def _into_zeros(where: str, what: str, out: Made, grad: str, *, start: str, fill
 def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
     """TopKRouter's backward: scatter's gather; the scores' backward (`_scores`); the GEMMs, and the sum of the
     router's dX with the permute's (`out`)."""
-    act, experts, k = z.act, config.num_experts, config.moe_router_topk
+    act, k = z.act, config.moe_router_topk
     ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
         "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
         ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
