@@ -49,12 +49,12 @@ def timeline(
             return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     # megatron's layer, or the paper's: Megatron's with the fused softmax at every size, the same walk, its own tensors
-    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
+    z = Sizes.of(config, strategy)
+    missing = megatron_moe.unmodelled(config, z) if config.moe else None
     if missing:
         raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
                           " with the all-to-all dispatcher")
     layer = estimate(config, strategy, accounting)
-    z = Sizes.of(config, strategy)
     # under recomputation the layer rerun in backward keeps what it keeps without
     rerun = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else None
     st = stage_named(config, stage)

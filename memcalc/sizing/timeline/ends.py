@@ -155,14 +155,15 @@ class Ends:
         # backward) is the logits' gradient: autograd has no cast to make
         cast = z.act != 4
         grad = "grad/logits" if cast else ledger.LOSS_LOGITS.name
-        dx = column_parallel(output_layer, z, "output_layer", ledger.OUTPUT_INPUT, grad, z.v_t, 0,
-                             "grad/output input", tied if self.tied else None)
+        dx = column_parallel(output_layer, z, "output_layer", ledger.OUTPUT_INPUT, grad, "grad/output input",
+                             tied if self.tied else None)
         dw = "grad/final_norm weights"
         final_norm = Op("final_norm", forward=(
             Step("", (Made(norm.input.name, z.seq(z.h), ledger.WHY_NORM_INPUT),), frees=(INPUT,), moment=False),
             Step("the norm before the output layer",
                  tuple(kept("", x, x.why) for x in (norm.mean, norm.rstd, ledger.OUTPUT_INPUT)))),
-            backward=(norm_kernel(z, dx, OUTPUT_GRAD, z.seq(z.h), dw, z.h, hands_over=(dw,)),), saves=tuple(norm))
+            backward=(norm_kernel(z, "final_norm", dx, OUTPUT_GRAD, z.seq(z.h), dw, hands_over=(dw,)),),
+            saves=tuple(norm))
         # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
         working = tuple(Made(name, z.tokens(width), why) for name, width, why in LOSS_WORKING_SET
                         if name != "loss/target" or min(z.b, z.s) > 1)  # b = 1 or s = 1: contiguous already

@@ -12,7 +12,7 @@ from memcalc.model.impls import megatron
 from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline import megatron_mla, megatron_moe, walk
 from memcalc.sizing.timeline.megatron_pieces import (
-    WGRAD, Has, activation, backward_only, norm_kernel, one, row_parallel, softmax,
+    WGRAD, Has, activation, backward_only, norm_kernel, one, row_parallel, softmax, weight,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -43,10 +43,9 @@ def layer_ops(
         grad = megatron_moe.moe_ops(backward, config, z, grad, OUTPUT_GRAD)
     else:
         backward.append(row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
-        grad, width = activation(backward, config, z, "mlp", "...", megatron.DENSE_ACT, z.b * z.s, z.f_t,
-                                 "grad/fc2 input", "grad/gelu input")
-        grad = column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
-                                width if config.add_bias_linear else 0, "grad/fc1 input")
+        grad = activation(backward, config, z, "mlp", "...", megatron.DENSE_ACT, z.b * z.s, z.f_t, "grad/fc2 input",
+                          "grad/gelu input")
+        grad = column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, "grad/fc1 input")
     mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
     backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
     grad = _dropout(backward, z, ledger.ATTN_OUT_DROPOUT_MASK, "attention", mid, has)
@@ -55,9 +54,7 @@ def layer_ops(
     else:
         backward.append(row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
         _attention(backward, config, z, "grad/proj input", has)
-        qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
-        grad = column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
-                                "grad/qkv input")
+        grad = column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
     if config.moe:  # the experts' widest forward moment first, then the layer's end
         # full's forward keeps nothing: the block's residual and MoELayer's locals, gone by the layer's end
@@ -197,15 +194,16 @@ def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, h
     return branch
 
 
-def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
-                    dx: str, tied: Made | None = None) -> str:
-    """QKV, fc1 or the output layer (`width` outputs): dX, dW and the bias's gradient (if any) beside dY, then the
+def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, dx: str,
+                    tied: Made | None = None) -> str:
+    """QKV, fc1 or the output layer: dX, dW and the bias's gradient (if it has a bias) beside dY, then the
     saved input goes; under SP the input is all-gathered again and dX reduce-scattered; under TP without SP, f's
     backward all-reduces dX into a copy (the input of an autograd op is never changed). `tied`: the gradient of a weight
     shared with the embedding, which autograd keeps (not handed over) until the other use's is added. Returns dX's
     name."""
-    bias_grad = Made(f"grad/{where} bias", z.act * bias, "the bias's gradient, dY summed over tokens")
-    weights = (tied or Made(f"grad/{where} weight", z.act * width * z.h, WGRAD), *((bias_grad,) if bias else ()))
+    bias = weight(z, where, bias=True)
+    bias_grad = Made(f"grad/{where} bias", bias, "the bias's gradient, dY summed over tokens")
+    weights = (tied or Made(f"grad/{where} weight", weight(z, where), WGRAD), *((bias_grad,) if bias else ()))
     handed = tuple(x.name for x in weights if x is not tied)
     dw = "dW and the bias's gradient" if bias else "dW"
     if z.sp:  # memcalc.probe.linear._GatheredInputLinear
@@ -237,7 +235,7 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
     dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
     return backward_only(
         where,
-        norm_kernel(z, grad, dx, z.seq(z.h), dw, z.h, returns=True),
+        norm_kernel(z, where, grad, dx, z.seq(z.h), dw, returns=True),
         Step("the residual stream's gradients summed", (
             Made(out, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed"),),
             frees=(*residual, dx), hands_over=(dw,)),
@@ -292,9 +290,9 @@ def _head_norms(ops: list[Op], z: Sizes, dq: str, dk: str) -> tuple[str, str]:
         ledger.K_NORM.input, ledger.V))
     dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
-        dw = f"grad/{which} norm weights"
-        ops.append(backward_only(f"attention.{which}_norm", norm_kernel(
-            z, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw, z.d, hands_over=(dw,)), saves=tuple(norm)))
+        where, dw = f"attention.{which}_norm", f"grad/{which} norm weights"
+        ops.append(backward_only(where, norm_kernel(z, where, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw,
+                                                    hands_over=(dw,)), saves=tuple(norm)))
         if (which == "k") == copied:
             ops.append(fused)
     return dx["q"], dx["k"]

@@ -112,16 +112,16 @@ def _splits(ops: list[Op], z: Sizes, w: Widths) -> None:
 def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     """From the splits' concatenations to the latent norms' dX: the up projections (or q_proj), the norms."""
     ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
-                       z.a_t * (w.nope + w.v), "grad/kv up input"))
+                       "grad/kv up input"))
     q, x, width, dx = (("q_up_proj", ledger.MLA_Q_UP_IN, w.q_latent, "grad/q up input") if w.q_latent is not None
                        else ("q_proj", ledger.QKV_IN, z.h, "grad/q input"))  # q_proj runs where q_up_proj would, on x
-    ops.append(linear(z, f"attention.linear_{q}", x, "grad/q up output", width, z.a_t * w.qk, dx))
+    ops.append(linear(z, f"attention.linear_{q}", x, "grad/q up output", width, dx))
     for x, norm, width in (("kv", megatron.MLA_KV_NORM, w.kv_latent), ("q", megatron.MLA_Q_NORM, w.q_latent)):
         if width is not None:  # the probe's norm inside megatron's spec
             where = f"attention.{x}_layernorm.norm"
             dw = f"grad/{where} weights"
-            ops.append(backward_only(where, norm_kernel(z, f"grad/{x} up input", f"grad/{x} latent", z.seq(width), dw,
-                                                        width, hands_over=(dw,)), saves=tuple(norm)))
+            ops.append(backward_only(where, norm_kernel(z, where, f"grad/{x} up input", f"grad/{x} latent",
+                                                        z.seq(width), dw, hands_over=(dw,)), saves=tuple(norm)))
 
 
 def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
@@ -148,7 +148,7 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
         columns = _this_ranks_columns(between, z, whole, width)
         ops.extend(replace(x, shadow=active) for x in between)
         between.clear()
-        ops.append(linear(z, where, ledger.QKV_IN, columns, z.h, width // z.t, dx,
+        ops.append(linear(z, where, ledger.QKV_IN, columns, z.h, dx,
                           then=summed if i == len(down) - 1 and z.t > 1 else None))
         active = where
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it

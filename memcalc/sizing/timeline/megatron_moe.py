@@ -14,7 +14,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.megatron_pieces import (
-    GLOBAL_MEMORY_BUFFER, activation, backward_only as _backward, linear, named, one as _one, row_parallel,
+    GLOBAL_MEMORY_BUFFER, activation, backward_only as _backward, linear, named, one as _one, row_parallel, weight,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -318,7 +318,8 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: 
     where, tag, act, fe = f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", z.act, config.expert_ffn // z.t
     dx2, dw2, dact, product = (named(tag, x) for x in ("fc2 input", "fc2 weight", "act", "probs product"))
     ops.append(_backward(f"{where}.linear_fc2", Step("GEMMs: dX and dW", (
-        Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"), Made(dw2, act * z.h * fe, _WGRAD)),
+        Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"),
+        Made(dw2, weight(z, "mlp.experts.local_experts.*.linear_fc2"), _WGRAD)),
         frees=(grad,) if e == 0 else (), hands_over=(dw2,)), saves=(piece(ledger.EXPERT_FC2_IN, e),)))
     ops.append(_backward(
         where,
@@ -328,11 +329,11 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: 
             f"grad/expert probs[{e}]", act * r, "the probability's gradient: dY * activation summed, (r, 1)"),),
             frees=(product, dx2)),
         saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
-    out, fc1 = activation(ops, config, z, where, tag, tuple(piece(x, e) for x in megatron.EXPERT_ACT), r, fe, dact)
+    out = activation(ops, config, z, where, tag, tuple(piece(x, e) for x in megatron.EXPERT_ACT), r, fe, dact)
     dw1 = named(tag, "fc1 weight")
     ops.append(_backward(f"{where}.linear_fc1", Step("GEMMs: dX and dW", (
         Made(named(tag, "input"), act * r * z.h, "dX = dY W, the input's gradient"),
-        Made(dw1, act * fc1 * z.h, _WGRAD)),
+        Made(dw1, weight(z, "mlp.experts.local_experts.*.linear_fc1"), _WGRAD)),
         frees=(out,), hands_over=(dw1,)), saves=(ledger.EXPERT_IN,)))
 
 
@@ -355,12 +356,11 @@ def _shared(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     width, where, tag = config.moe_shared_expert_intermediate_size // z.t, "mlp.shared_experts", "shared ..."
     dx2, dx = named(tag, "fc2 input"), named(tag, "input")
     ops.append(row_parallel(z, f"{where}.linear_fc2", ledger.SHARED_FC2_IN, grad, residual, width, dx2))
-    out, fc1_width = activation(ops, config, z, where, tag, megatron.SHARED_ACT, z.b * z.s, width, dx2)
+    out = activation(ops, config, z, where, tag, megatron.SHARED_ACT, z.b * z.s, width, dx2)
     summed = Step("the routed and the shared experts' input gradients summed", (Made(
         "grad/moe input", z.seq(z.h), "the MoE input feeds the router, the permute and the shared experts: gradients"
         " summed"),), frees=("grad/moe routed input", dx))
-    ops.append(linear(z, f"{where}.linear_fc1", ledger.MOE_IN, out, z.h, fc1_width, dx,
-                      then=summed if z.t > 1 else None))
+    ops.append(linear(z, f"{where}.linear_fc1", ledger.MOE_IN, out, z.h, dx, then=summed if z.t > 1 else None))
     if z.t == 1:  # the two gradients meet after fc1's node and its weight's gradient
         ops.append(_backward(f"{where}.linear_fc1", summed))
 
@@ -391,7 +391,7 @@ def _into_zeros(where: str, what: str, out: Made, grad: str, *, start: str, fill
 def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
     """TopKRouter's backward: scatter's gather; the scores' backward (`_scores`); the GEMMs, and the sum of the
     router's dX with the permute's (`out`)."""
-    act, experts, k = z.act, config.num_experts, config.moe_router_topk
+    act, k = z.act, config.moe_router_topk
     ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
         "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
         ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
@@ -400,7 +400,7 @@ def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> N
         "mlp.router",
         Step("GEMMs: dX and dW", (
             Made("grad/router input", act * n * z.h, "dX = dY W, the router's input gradient"),
-            Made("grad/router weight", act * experts * z.h, "the router weight's bf16 gradient")),
+            Made("grad/router weight", weight(z, "mlp.router"), "the router weight's bf16 gradient")),
             frees=("grad/router logits",), returns=True),
         Step("the router's and the permute's input gradients summed", (Made(
             out, act * n * z.h, "the MoE input feeds the router and the permute: gradients summed"),),

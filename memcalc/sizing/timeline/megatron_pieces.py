@@ -4,6 +4,7 @@ row- and column-parallel linears' backward, a norm's, an MLP's activation's, and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -11,7 +12,8 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import Dim, SavedTensor
-from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.params import layer_elements, part
+from memcalc.sizing.timeline.tape import Sizes, prod
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
@@ -20,6 +22,30 @@ WGRAD = "the weight's bf16 gradient, dW = dY^T X"
 # attention writes its scores there too), allocated at the largest request in the first step and kept
 GLOBAL_MEMORY_BUFFER = "megatron/global memory buffer"
 SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
+# Modules the walk names as the probe's own layer does (memcalc.probe.layer, as the paper), by megatron-core's names
+_CORE_NAMES = {"ln1": "input_layernorm", "ln2": "pre_mlp_layernorm", "attention.qkv": "attention.linear_qkv",
+               "attention.proj": "attention.linear_proj", "attention.q_norm": "attention.q_layernorm",
+               "attention.k_norm": "attention.k_layernorm", "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2",
+               "final_norm": "decoder.final_layernorm"}
+
+
+def weight(z: Sizes, where: str, bias: bool = False) -> int:
+    """Bytes of the gradient of the weight (`bias`: of the bias, 0 without one) of the module the walk runs at `where`,
+    in the training dtype on this rank, as megatron-core's inventory holds it (memcalc.sizing.params'
+    megatron_layer_params, and the output's end); a local expert's (`where` its inventory path, local_experts.*) is
+    one of the E/ep the inventory lists as one."""
+    module = _CORE_NAMES.get(where, where).removesuffix(".norm")  # MLA's latent norms: the probe's inside the spec
+    path = f"self_{module}" if module.startswith("attention.") else module
+    elements = _elements(z.config, z.t)
+    n = elements.get(f"{path}.bias", 0) if bias else elements[path]
+    return z.act * n // (z.config.num_experts // z.config.ep if "*" in path else 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _elements(config: ModelConfig, t: int) -> dict[str, int]:
+    """Each parameter of a layer (by its path below the layer's) and of the output's end: its elements on a rank of
+    t."""
+    return layer_elements(config, t) | {p.module: prod(p.shape) for p in part(config, t, "last")}
 
 
 def backward_only(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
@@ -46,15 +72,14 @@ def row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str,
             Made(gathered, z.full(z.h), "g*'s backward all-gathers dY along s: (s, b, h)"),), frees=done),)
         done = (gathered,)
     dw = f"grad/{where} weight"
-    gemms = Step("GEMMs: dW and dX", (Made(dw, z.act * z.h * width, WGRAD),
+    gemms = Step("GEMMs: dW and dX", (Made(dw, weight(z, where), WGRAD),
                                        Made(dx, z.full(width), "dX = dY W, the input's gradient")),
                  frees=done, hands_over=(dw,))
     return backward_only(where, *steps, gemms, saves=(x,))
 
 
-def linear(z: Sizes, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
-           then: Step | None = None) -> Op:
-    """A column-parallel linear of `width` inputs to `out` outputs on this rank, on the whole sequence (megatron's
+def linear(z: Sizes, where: str, x: SavedTensor, grad: str, width: int, dx: str, then: Step | None = None) -> Op:
+    """A column-parallel linear of `width` inputs on this rank, on the whole sequence (megatron's
     LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place; under SP it all-gathers
     its input into the global memory buffer, no new tensor, and reduce-scatters dX into a new shard): dX, then dW;
     then dY goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it).
@@ -65,18 +90,19 @@ def linear(z: Sizes, where: str, x: SavedTensor, grad: str, width: int, out: int
     gemms = Step("GEMMs: dX and dW", (
         Made(whole, z.full(width), "dX = dY W, the input's gradient on the whole sequence"),
         *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
-        Made(dw, z.act * width * out, WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
+        Made(dw, weight(z, where), WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
         hands_over=() if then else (dw,), returns=then is not None)
     steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
     return backward_only(where, *steps, saves=(x,))
 
 
-def norm_kernel(z: Sizes, grad: str, dx: str, dx_bytes: int, dw: str, width: int, **step: Any) -> Step:
-    """A norm's backward, one kernel: dX and the `width`-wide weight's (and LayerNorm's bias's) gradients beside
+def norm_kernel(z: Sizes, where: str, grad: str, dx: str, dx_bytes: int, dw: str, **step: Any) -> Step:
+    """The backward of the norm at `where`, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside
     dY, which then goes."""
-    return Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
+    return Step("the norm: dX, dweight" + (", dbias" if z.config.norm == "layernorm" else ""), (
         Made(dx, dx_bytes, "the norm's dX"),
-        Made(dw, z.norm_vectors * z.act * width, "the norm's weight (and bias) gradients")), frees=(grad,), **step)
+        Made(dw, weight(z, where) + weight(z, where, bias=True), "the norm's weight (and bias) gradients")),
+        frees=(grad,), **step)
 
 
 def named(tag: str, what: str) -> str:
@@ -86,10 +112,10 @@ def named(tag: str, what: str) -> str:
 
 
 def activation(ops: list[Op], config: ModelConfig, z: Sizes, where: str, tag: str, keeps: tuple[SavedTensor, ...],
-               rows: int, width: int, grad: str, gelu: str = "") -> tuple[str, int]:
+               rows: int, width: int, grad: str, gelu: str = "") -> str:
     """An MLP's GELU or SwiGLU backward on `rows` tokens of `width` from `grad` to fc1's output gradient (under GELU
     named `gelu`, if given); `keeps`: the ledger's records, as memcalc.model.impls.megatron.activation reads them.
-    Returns fc1's output gradient's name and fc1's output width.
+    Returns fc1's output gradient's name.
 
     Fused SwiGLU (BiasSwiGLUFunction): one kernel writes the 2f-wide gradient. Unfused: the product's backward makes
     both factors' gradients, SiLU's backward the gate's, and the split of fc1's output concatenates the two.
@@ -99,11 +125,11 @@ def activation(ops: list[Op], config: ModelConfig, z: Sizes, where: str, tag: st
     if config.mlp != "swiglu":
         ops.append(one(where, "GELU", Made(gelu or out, nbytes, "GELU's backward: dY times GELU'(x)"), (grad,),
                        saves=(gelu_in,)))
-        return gelu or out, width
+        return gelu or out
     if config.bias_activation_fusion:
         ops.append(one(where, "fused SwiGLU", Made(out, 2 * nbytes, "the fused SwiGLU's backward: d[gate; up] at"
                                                    " once"), (grad,), saves=(gate, up)))
-        return out, 2 * width
+        return out
     dup, dsilu, dgate = (named(tag, x) for x in ("up", "silu output", "gate"))
     ops.extend((
         backward_only(where, Step("SiLU(gate) * up: both factors' gradients", (
@@ -115,7 +141,7 @@ def activation(ops: list[Op], config: ModelConfig, z: Sizes, where: str, tag: st
         one(where, "d(gate) and d(up) concatenated into fc1's output gradient", Made(
             out, 2 * nbytes, "gate and up were split from fc1's output: their gradients concatenated"), (dgate, dup)),
     ))
-    return out, 2 * width
+    return out
 
 
 def fused_softmax(config: ModelConfig, z: Sizes) -> bool:

@@ -111,7 +111,6 @@ class Sizes:
     t: int  # ranks that split the weights (1 without TP)
     sp: bool
     act: int  # activation and bf16 weight width
-    norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
     cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
     config: ModelConfig | None = None  # whose inventory (memcalc.sizing.params) `weight` reads
@@ -126,7 +125,6 @@ class Sizes:
             f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
             qkv_t=(config.a + 2 * config.groups) * d // t,
             v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
-            norm_vectors=2 if config.norm == "layernorm" else 1,
             positions=config.positions if config.position_embedding_type == "learned_absolute" else 0, config=config,
         )
 
@@ -151,8 +149,8 @@ class Sizes:
 
 class _Live(dict):
     """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
-    moment is then its totals and its place in the log, however many tensors are live). They change only by set, del
-    and pop."""
+    moment is then its totals and its place in the log, however many tensors are live). They change only by set and
+    pop."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,9 +166,6 @@ class _Live(dict):
         self.totals[x.category] += x.bytes
         self.log.append(x)
 
-    def __delitem__(self, name: str) -> None:
-        self.pop(name)
-
     def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
         x = dict.pop(self, name, None)
         if x is None:
@@ -180,9 +175,9 @@ class _Live(dict):
         return x
 
     def _unlogged(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("the live tensors change only by set, del and pop: the totals and the log follow those")
+        raise TypeError("the live tensors change only by set and pop: the totals and the log follow those")
 
-    update = setdefault = clear = popitem = __ior__ = _unlogged  # type: ignore[assignment]
+    update = setdefault = clear = popitem = __ior__ = __delitem__ = _unlogged  # type: ignore[assignment]
 
 
 class Tape:

@@ -362,13 +362,9 @@ def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tup
     if not z.sp:
         return ()
     n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
-    return (Op(where, forward=(
-        *_all_gather(f"{n} gathered", out, z, "concatenated along s", frees),
-    ), backward=(
-        *_s_first(f"{g} s-first", z, "dX"),
-        Step("the reduce-scatter's output", (Made(rs, z.seq(z.h), "this rank's shard of dX"),),
-             frees=(dx, f"{g} s-first")),
-    )),)
+    return (Op(where, forward=_all_gather(f"{n} gathered", out, z, "concatenated along s", frees),
+               backward=_reduce_scattered(f"{g} s-first", z, "dX", Made(rs, z.seq(z.h), "this rank's shard of dX"),
+                                          (dx,))),)
 
 
 def _all_gather(buffer: str, out: Made, z: Sizes, what: str, frees: tuple[str, ...]) -> tuple[Step, ...]:
@@ -380,21 +376,25 @@ def _all_gather(buffer: str, out: Made, z: Sizes, what: str, frees: tuple[str, .
             Step(what, (out,), frees=(buffer, *frees)))
 
 
-def _s_first(name: str, z: Sizes, what: str) -> tuple[Step, ...]:
-    """The reduce-scatter's input made (s, b, h)-contiguous: a copy, but at b = 1, where the permuted view is (on
-    DTensor a copy always: its reduce-scatter along s concatenates the chunks)."""
-    if z.b == 1 and not z.dtensor:
-        return ()
-    return (Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
+def _reduce_scattered(name: str, z: Sizes, what: str, out: Made, frees: tuple[str, ...],
+                      label: str = "the reduce-scatter's output") -> tuple[Step, ...]:
+    """SP's reduce-scatter along s of `what` into this rank's shard (`out`, made at `label`), then `frees` go. Its
+    input is first made (s, b, h)-contiguous (`name`): a copy, but at b = 1, where the permuted view is (on DTensor a
+    copy always: its reduce-scatter along s concatenates the chunks)."""
+    copy = () if z.b == 1 and not z.dtensor else (
+        Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
+    return (*copy, Step(label, (out,), frees=(*frees, name)))
 
 
-def _contiguous(name: str, z: Sizes) -> tuple[Step, ...]:
-    """dY's shard made contiguous for the all-gather: a copy, but at b = 1, where the (b, s/t, h) view of the
-    (s/t, b, h) shard is contiguous already, on DTensor, whose shard is (b, s/t, h) itself, and on CUDA, where the
-    residual stream's gradient is the fused norm's contiguous dX, summed into in place."""
-    if z.b == 1 or z.dtensor or z.cuda:
-        return ()
-    return (Step("dY made contiguous", (Made(name, z.seq(z.h), "this rank's shard"),)),)
+def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
+    """In backward, dY's shard all-gathered along s into the whole (`gathered`), then `frees` go. The shard is first
+    made contiguous (f"{g} dY"): a copy, but at b = 1, where the (b, s/t, h) view of the (s/t, b, h) shard is
+    contiguous already, on DTensor, whose shard is (b, s/t, h) itself, and on CUDA, where the residual stream's
+    gradient is the fused norm's contiguous dX, summed into in place."""
+    copy = () if z.b == 1 or z.dtensor or z.cuda else (
+        Step("dY made contiguous", (Made(f"{g} dY", z.seq(z.h), "this rank's shard"),)),)
+    return (*copy, *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z,
+                                "concatenated along s: dY whole", (f"{g} dY", *frees)))
 
 
 def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathered: str,
@@ -408,16 +408,9 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
             Made(out, z.full(z.h), "(b, s, h), summed"),), frees=(partial,)),), backward=()),)
     if not z.sp:
         return ()
-    n, g = f"{p}/{where}", f"grad/{p}/{where}"
-    return (Op(where, forward=(
-        *_s_first(f"{n} s-first", z, "the partial sum"),
-        Step("the reduce-scatter's output", (Made(out, z.seq(z.h), "this rank's shard, summed"),),
-             frees=(partial, f"{n} s-first", *frees)),
-    ), backward=(
-        *_contiguous(f"{g} dY", z),
-        *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z, "concatenated along s: dY whole",
-                     (f"{g} dY",)),
-    )),)
+    return (Op(where, forward=_reduce_scattered(f"{p}/{where} s-first", z, "the partial sum", Made(
+        out, z.seq(z.h), "this rank's shard, summed"), (partial, *frees)),
+               backward=_gathered_dy(f"grad/{p}/{where}", z, gathered)),)
 
 
 def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
@@ -704,17 +697,11 @@ def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
     if not z.sp:
         return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
             Made("layers.0/input", full, "(b, s, h), summed"),), frees=(f"{e}/partial",))), backward=masked)
-    return Op("tok_embeddings", forward=(
-        *lookup,
-        *_s_first(f"{e}/s-first", z, "the partial sum"),
-        Step("the reduce-scatter's output: the first block's input", (Made("layers.0/input", z.seq(z.h), "(b, s/t, h)"),),
-             frees=(f"{e}/partial", f"{e}/s-first")),
-    ), backward=(
-        *_contiguous(f"grad/{e} dY", z),
-        *_all_gather(f"grad/{e} buffer", Made(f"grad/{e} gathered", full, "(b, s, h)"), z,
-                     "concatenated along s: dY whole", (f"grad/{e} dY", "grad/layers.0/input")),
-        *masked,
-    ))
+    first = Made("layers.0/input", z.seq(z.h), "(b, s/t, h)")
+    scattered = _reduce_scattered(f"{e}/s-first", z, "the partial sum", first, (f"{e}/partial",),
+                                  "the reduce-scatter's output: the first block's input")
+    return Op("tok_embeddings", forward=(*lookup, *scattered),
+              backward=(*_gathered_dy(f"grad/{e}", z, f"grad/{e} gathered", ("grad/layers.0/input",)), *masked))
 
 
 def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[Op, ...]:

@@ -46,7 +46,6 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.states import decays, zero_partition
-from memcalc.sizing.params import Param
 from memcalc.sizing.timeline.fsdp import ROOT, hf_layer, hf_root, stage_params
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
@@ -82,15 +81,18 @@ class Zero:
         groups = ([x for x in params if decays(x.module)], [x for x in params if not decays(x.module)]) \
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(p.shape) for p in group] for group in groups)
-        self.order = [(p.module, prod(p.shape)) for group in groups for p in group]  # bit16_groups' order
-        # each parameter's place in its group's flat buffer: (a rank's partition of the group, start, elements)
+        # each parameter's place in its group's flat buffer, in bit16_groups' order: (a rank's partition of the group,
+        # start, elements)
         self.spans = {name: (self.partition(sizes), start, n) for sizes, group in zip(self.groups, groups)
                       for (name, *_), n, start in zip(group, sizes, itertools.accumulate(sizes, initial=0))}
         self.after_backward = False  # the engine's reductions after loss.backward() returns: MemTracker's activations
-        self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
-        # stage 3: parameters of the persistence threshold or fewer elements, kept whole (mark_persistent_parameters)
-        sizes = [prod(x.shape) for x in params]
-        self.persistent = sum(n for n in sizes if n <= self.threshold) if config.zero_stage == 3 else 0
+        # stages 1 and 2: the parameters that reach into rank 0's partition of their group, with their elements:
+        # grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)
+        self.mine = {name: n for sizes, group in zip(self.groups, groups)
+                     for (name, *_), n, _ in zip(group, sizes, self._slices(sizes))}
+        # stage 3 (one group): parameters of the persistence threshold or fewer elements, kept whole
+        # (mark_persistent_parameters)
+        self.persistent = sum(n for n in self.groups[0] if n <= self.threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
         self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
         self.filled = 0  # elements in the reduce bucket
@@ -110,12 +112,6 @@ class Zero:
     def in_partition(self) -> int:
         """Stages 1 and 2: the elements of grads_in_partition, each parameter of `mine` whole."""
         return sum(self.mine.values())
-
-    def _reaching(self, group: list[Param]) -> dict[str, int]:
-        """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
-        elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
-        sizes = [prod(p.shape) for p in group]
-        return {name: n for (name, *_), n, _ in zip(group, sizes, self._slices(sizes))}
 
     def _slices(self, sizes: list[int]) -> list[int]:
         """Stages 1 and 2: rank 0's part of each of a group's parameters (`sizes`, in order) that reaches into its
@@ -261,7 +257,7 @@ class Zero:
         tape.drop(GRAD_SEED)  # loss.backward() has returned: engine.backward's epilogue reduces
         self.after_backward = True
         if self.stage == 1:  # reduce_gradients: every gradient through the bucket, in bit16_groups' order
-            for name, elements in self.order:
+            for name, (*_, elements) in self.spans.items():
                 if (grad := f"zero/grad {name}") in tape.live:
                     self._into_bucket(tape, where, grad, name, elements)
         self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
