@@ -153,7 +153,7 @@ def transformers_config(config: ModelConfig, family: str, layer_type: str | None
     flash, "eager" for eager."""
     config_class, _ = _classes(family)
     common = {"hidden_size": config.h, "num_attention_heads": config.a, "num_hidden_layers": config.L,
-              "vocab_size": config.vocab_size,
+              "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
               "attn_implementation": "sdpa" if config.attention == "flash" else "eager"}
     return config_class(**common | _own_fields(config, family, layer_type))
 
@@ -164,24 +164,19 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
     no_ids = {"bos_token_id": None, "eos_token_id": None}  # no token ids past the probe's small vocabulary
     gpt = {"n_inner": config.ffn, "max_position_embeddings": config.s, "activation_function": gelu,
            "attn_pdrop": dropout, "resid_pdrop": dropout, "embd_pdrop": dropout}  # GPT-2's and GPT-J's
-    grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout,
-               "tie_word_embeddings": config.tie_embeddings}
+    grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout}
     if family == "bloom":
-        return {"attention_dropout": dropout, "hidden_dropout": dropout, "tie_word_embeddings": config.tie_embeddings}
+        return {"attention_dropout": dropout, "hidden_dropout": dropout}
     if family == "gpt2":  # wpe's rows; GPT2LMHeadModel's lm_head tied to wte unless the config unties it
-        return gpt | no_ids | {"max_position_embeddings": config.positions,
-                               "tie_word_embeddings": config.tie_embeddings}
+        return gpt | no_ids | {"max_position_embeddings": config.positions}
     if family == "gptj":  # rotary_dim: the rotated channels of each head
-        return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent),
-                      "tie_word_embeddings": config.tie_embeddings} | no_ids
+        return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent)} | no_ids
     if family == "gpt_neox":  # fused QKV with biases (add_bias_linear), partial RoPE
         return {"intermediate_size": config.ffn, "hidden_act": gelu, "max_position_embeddings": config.s,
                 "attention_dropout": dropout, "hidden_dropout": dropout, "attention_bias": config.add_bias_linear,
-                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent),
-                "tie_word_embeddings": config.tie_embeddings}
+                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent)}
     if family == "falcon":  # parallel_attn, RoPE; see _falcon_fields
-        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout,
-                                         "tie_word_embeddings": config.tie_embeddings}
+        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout}
     if family == "starcoder2":  # its class's gelu_pytorch_tanh for memcalc's gelu: torch's kernel keeps its input alone
         return grouped | no_ids | {
             "intermediate_size": config.ffn, "max_position_embeddings": config.s, "residual_dropout": dropout,
@@ -225,11 +220,10 @@ def _gpt_oss_fields(config: ModelConfig, layer_type: str | None) -> dict[str, An
 
 
 def _llama_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """A Llama-family class's: GQA, SwiGLU (or the tanh GeGLU), RMSNorm, RoPE, tied or not; then its family's own."""
+    """A Llama-family class's: GQA, SwiGLU (or the tanh GeGLU), RMSNorm, RoPE; then its family's own."""
     return {"num_key_value_heads": config.groups, "intermediate_size": config.ffn, "attention_dropout": config.dropout,
             "hidden_act": "gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
-            "max_position_embeddings": config.s, "tie_word_embeddings": config.tie_embeddings,
-            } | _moe_fields(config, family) | _family_fields(config, family)
+            "max_position_embeddings": config.s} | _moe_fields(config, family) | _family_fields(config, family)
 
 
 def _family_fields(config: ModelConfig, family: str) -> dict[str, Any]:
