@@ -68,10 +68,7 @@ def record_layer(
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
             y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
-        log.phase = "backward"
-        y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
-    if collectives is not None:
-        collectives.extend(log.calls)
+        log.backward(y, collectives)  # inside the shim: a checkpoint's recompute must drop out alike
     return merged_rows(attributed(recorder.saved, config), rules.IMPLEMENTATION)  # each expert's storages as one row
 
 

@@ -84,10 +84,7 @@ def run_layer(
                 with recorder, Labels(root, label_rules(layer, tp.size)):
                     y = root(hidden_states=x, attention_mask=None)
                 y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
-                log.phase = "backward"
-                y.backward(torch.ones_like(y))
-    if collectives is not None:
-        collectives.extend(log.calls)
+                log.backward(y, collectives)
     return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
 
 

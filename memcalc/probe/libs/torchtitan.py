@@ -329,8 +329,5 @@ def run_layer(
             cached = shim.cached_tensors(caches)  # the op outputs SelectiveAC keeps until backward's recompute
             if cached:
                 _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *cached)
-        log.phase = "backward"
-        y.backward(torch.ones_like(y))
-    if collectives is not None:
-        collectives.extend(log.calls)
+        log.backward(y, collectives)
     return recorder.saved
