@@ -65,27 +65,38 @@ def run_layer(
     layer counts only what a live node still holds (kept_only): the aux loss's top-k saves indices for values nobody
     reads, freed as the router returns."""
     _check(config, tp)
-    routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
     layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
     # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
     sequence_parallel = strategy.sequence_parallel and tp.size > 1
+    with inside_megatron(tp, config, route):
+        torch.manual_seed(WEIGHT_SEED)
+        root = _build(config, tp, sequence_parallel, dense)
+        seed_rng_tracker(INPUT_SEED, tp.rank)
+        x = _layer_input(config, tp, sequence_parallel)
+        recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
+        from megatron.core.tensor_parallel import layers, mappings
+
+        # megatron's mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported
+        with CollectiveLog(aliases=(mappings, layers)) as log:
+            with recorder, Labels(root, label_rules(layer, tp.size)):
+                y = root(hidden_states=x, attention_mask=None)
+            y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
+            log.backward(y, collectives)
+    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
+
+
+@contextmanager
+def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | None) -> Iterator[None]:
+    """megatron's CPU shim, its parallel_state on the probe's group and the forced route (none: the real router), for
+    building and running its layer, or building and stepping the GPT (memcalc.probe.libs.megatron_step)."""
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
+        # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
+        # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
+        warnings.filterwarnings("ignore", "Module is None", UserWarning)
+        routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
         with cpu_megatron(), _model_parallel(tp, config.ep), routing:
-            torch.manual_seed(WEIGHT_SEED)
-            root = _build(config, tp, sequence_parallel, dense)
-            seed_rng_tracker(INPUT_SEED, tp.rank)
-            x = _layer_input(config, tp, sequence_parallel)
-            recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
-            from megatron.core.tensor_parallel import layers, mappings
-
-            # megatron's mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported
-            with CollectiveLog(aliases=(mappings, layers)) as log:
-                with recorder, Labels(root, label_rules(layer, tp.size)):
-                    y = root(hidden_states=x, attention_mask=None)
-                y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
-                log.backward(y, collectives)
-    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
+            yield
 
 
 def _quiet() -> None:
