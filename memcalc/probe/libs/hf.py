@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
-from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers, forced_routing
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers
 from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.hf_labels import MARKERS, attributed, label_rules_for
 from memcalc.probe.libs.labels import Labels, merged_rows
@@ -53,6 +52,7 @@ def record_layer(
     rules.check(config)
     family = layer_family(config).name
     layer, extra = _build(config, family, tp.device, dense, layer_type)
+    force_routes(layer, family, route, config.moe_router_topk)  # before the plan, as the step's model (hf_step)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
         hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
@@ -64,7 +64,7 @@ def record_layer(
     x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
     x = x.to(tp.device).requires_grad_()
     rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
-    with cuda_like_dropout(), routing(family, route, config.moe_router_topk), CollectiveLog() as log:
+    with cuda_like_dropout(), CollectiveLog() as log:
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
             y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
@@ -73,13 +73,6 @@ def record_layer(
 
 
 run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by
-
-
-def routing(family: str, route: str | None, k: int) -> Any:
-    """The shim's forced router for a MoE family's router class, or nothing."""
-    if route is None:
-        return nullcontext()
-    return forced_routing(_router_class(family), route, k)
 
 
 def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
