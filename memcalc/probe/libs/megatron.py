@@ -106,23 +106,18 @@ def _quiet() -> None:
 
 
 def _check(config: ModelConfig, tp: TensorParallelGroup) -> None:
-    """ProbeError for what megatron's local layer cannot run here (each its own line)."""
-    if config.moe:
-        _check_experts(config, tp)
+    """ProbeError for what megatron's local layer cannot run here (each its own line): experts with biases; ep > 1
+    outside a fake group of t*ep ranks, which only the fake and single launches can make (MoELayer's refusal of TP
+    without SP is the implementation's: `plan` refuses tp first); flash attention."""
+    check_expert_biases(config)
+    if config.moe and config.ep > 1 and tp.mode not in ("single", "fake"):
+        raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
+                         f" group only; measure with --launch fake (not {tp.mode})")
     if config.attention == "flash":
         raise ProbeError(
             "impl megatron: the local spec's core attention is DotProductAttention (eager); flash attention"
             " is Transformer Engine's, which needs CUDA; measure with --attention eager"
         )
-
-
-def _check_experts(config: ModelConfig, tp: TensorParallelGroup) -> None:
-    """Its experts cannot train with biases; ep > 1 needs a fake group of t*ep ranks, which only the fake and single
-    launches can make. (MoELayer's refusal of TP without SP is the implementation's: `plan` refuses tp first.)"""
-    check_expert_biases(config)
-    if config.ep > 1 and tp.mode not in ("single", "fake"):
-        raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
-                         f" group only; measure with --launch fake (not {tp.mode})")
 
 
 def check_expert_biases(config: ModelConfig) -> None:
@@ -521,7 +516,7 @@ def _activation_rules(config: ModelConfig, module: str, keeps: tuple[SavedTensor
     chunked), SiLU's output and glu's `up + offset` copy (the add after `fc1 + bias`, if any); fused, fc1's output
     before its bias, which (Bias|Weighted)SwiGLUFunction keeps."""
     gelu_in, _, _, silu_out, up_copy = keeps
-    fused = config.bias_activation_fusion  # experts never: their GELU has no bias (`_check_experts`)
+    fused = config.bias_activation_fusion  # experts never: their GELU has no bias (`check_expert_biases`)
     if config.mlp != "swiglu":
         return (Rule(f"{module}.linear_fc1", "forward", gelu_in, view=view) if fused else
                 Rule(module, "gelu", gelu_in, arg=0, view=view),)

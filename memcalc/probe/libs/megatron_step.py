@@ -71,7 +71,7 @@ def _output_only(spec: Any, megatron_config: Any, layer_number: int, device: tor
     class OutputOnly(spec.module):
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             output, bias = super().forward(hidden_states, *args)
-            assert bias is None, "no biases here (megatron._check_experts, warmed_up)"
+            assert bias is None, "no biases here (megatron.check_expert_biases, warmed_up)"
             return output
 
     return build_module(replace(spec, module=OutputOnly), config=megatron_config, layer_number=layer_number).to(device)
