@@ -77,14 +77,9 @@ run_layer = record_layer  # the name memcalc.probe.measure calls each library's 
 
 def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
     """The shim's forced router on each router of `model` for its life (a checkpoint's rerun too), or nothing."""
-    if route is not None:
-        force_routers(model, _router_class(family), route, k)
-
-
-def _router_class(family: str) -> tuple[type]:
-    """The MoE family's router class, which a forced route replaces."""
-    _, module = _classes(family)
-    return (getattr(module, FAMILIES[family].router),)
+    if route is not None:  # the family's router class names them
+        _, module = _classes(family)
+        force_routers(model, (getattr(module, FAMILIES[family].router),), route, k)
 
 
 # -- building the layer -----------------------------------------------------------------
