@@ -184,9 +184,7 @@ class GPT(nn.Module):
         dtype = DTYPES[config.dtype]
         self.embedding = Embedding(config, tp, sp)
         self.layers = nn.ModuleList(TransformerLayer(config, tp, sp, mlp=mlps(i)) for i in range(config.L))
-        self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device)
-        for param in self.final_norm.parameters():
-            param.sequence_parallel = sp
+        self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device, sequence_parallel=sp)
         padded = self.embedding.rows * tp.size
         self.output_layer = ColumnParallelLinear(config.h, padded, tp, sp, bias=False, dtype=dtype,
                                                  seed=WEIGHT_SEED + 1)
