@@ -125,7 +125,8 @@ def _llama_rules(config: ModelConfig) -> tuple[Rule, ...]:
     first, second = _llama_norm_rules(config)
     if rules.is_glm(config):
         return (*first, *attention, *_glm_rules(), *second)
-    return (*first, *attention, *second, *_SWIGLU, *_moe_rules(config))
+    mlp = _gated_mlp("mlp", *(_GEGLU if config.mlp == "geglu_tanh" else _SWIGLU))
+    return (*first, *attention, *second, *mlp, *_moe_rules(config))
 
 
 def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -321,11 +322,9 @@ def _gated_mlp(mlp: str, act: str, names: tuple[SavedTensor, ...], view: Callabl
     )
 
 
-_SWIGLU = (  # LlamaMLP's, or Gemma's tanh GeGLU
-    *_gated_mlp("mlp", "silu", (ledger.FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT,
-                                ledger.FC2_IN)),
-    *_gated_mlp("mlp", "gelu", (ledger.FC1_IN, rules.GEGLU_GATE, rules.GEGLU_UP, rules.GEGLU_GELU_OUT, ledger.FC2_IN)),
-)
+# LlamaMLP's act_fn and what it keeps: SiLU's, or Gemma's tanh GeGLU's (mlp geglu_tanh)
+_SWIGLU = ("silu", (ledger.FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN))
+_GEGLU = ("gelu", (ledger.FC1_IN, rules.GEGLU_GATE, rules.GEGLU_UP, rules.GEGLU_GELU_OUT, ledger.FC2_IN))
 # The shared MLP's (Qwen2-MoE's on flattened tokens, DeepSeek-V3's on (b, s, h)); DeepSeek's reads the block's input
 # itself, the router an fp32 copy, so there the block's input is the shared MLP's
 _SHARED = (ledger.MOE_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
