@@ -26,7 +26,7 @@ from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_bac
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
 from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.norm import Norm
-from memcalc.probe.recorder import batch_first, label
+from memcalc.probe.recorder import HeldBy, batch_first, label
 
 torch = require_torch()
 from torch import nn  # noqa: E402  (after the install check above)
@@ -96,10 +96,10 @@ class SelfAttention(nn.Module):
         label(k, ledger.K_NORM.input)
         copied = self.heads_per_group > 1 and self.groups_per_rank > 1
         if not copied:
-            q = _HeldBy.apply(q, k, v)
+            q = HeldBy.apply(q, k, v)
         q = _per_head(self.q_norm, q)
         if copied:
-            k = _HeldBy.apply(k, v, *columns)
+            k = HeldBy.apply(k, v, *columns)
         return q, _per_head(self.k_norm, k)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,19 +125,6 @@ class SelfAttention(nn.Module):
 def _per_head(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """(b, heads, s, d) through a norm over each head's d channels, run on the (s, b, heads, d) view."""
     return norm(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).contiguous()
-
-
-class _HeldBy(torch.autograd.Function):
-    """forward: x itself, holding `held` for backward; backward: dx as it came, and `held` goes."""
-
-    @staticmethod
-    def forward(ctx, x, *held):
-        ctx.save_for_backward(*held)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(None for _ in ctx.saved_tensors))
 
 
 # -- the core: softmax(q k^T / sqrt(d) + causal mask) v, per K/V group ---------

@@ -98,6 +98,14 @@ class CollectiveLog:
     def __exit__(self, *exc_info: object) -> None:
         self._patches.__exit__(*exc_info)  # the functional log first, then every attribute back as it was
 
+    def backward(self, y: torch.Tensor, into: list[LoggedCollective] | None = None) -> None:
+        """y's backward from a gradient of ones, logged as the backward phase; then every call the log holds (forward's
+        and backward's) appended to `into`, where a runner's caller asks for them."""
+        self.phase = "backward"
+        y.backward(torch.ones_like(y))
+        if into is not None:
+            into.extend(self.calls)
+
     def _wrapped(self, original: Callable, op: str, arg: int) -> Callable:
         signature = inspect.signature(original)
 

@@ -40,13 +40,9 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         dtype = DTYPES[config.dtype]
-        self.ln1 = Norm(config.norm, config.h, ledger.LN1, dtype, tp.device)
+        self.ln1 = Norm(config.norm, config.h, ledger.LN1, dtype, tp.device, sequence_parallel=sequence_parallel)
         self.attention = SelfAttention(config, tp, sequence_parallel, dtype, overlap)
-        self.ln2 = Norm(config.norm, config.h, ledger.LN2, dtype, tp.device)
-        # Under SP each rank normalises its own sequence shard, so the norms' whole weights get
-        # partial gradients: marked, as linear.py marks a row-parallel bias (and Megatron its norms).
-        for param in (*self.ln1.parameters(), *self.ln2.parameters()):
-            param.sequence_parallel = sequence_parallel
+        self.ln2 = Norm(config.norm, config.h, ledger.LN2, dtype, tp.device, sequence_parallel=sequence_parallel)
         self.mlp = MLP(config, tp, sequence_parallel, dtype, overlap) if mlp is None else mlp
         self.dropout = config.dropout
         self.full_recompute = config.recompute == "full"

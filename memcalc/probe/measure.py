@@ -78,9 +78,7 @@ RUNNERS = {
 
 # The implementations memcalc's own layer runs: Megatron's, and the paper's (its fused softmax at every shape).
 OWN_LAYER_IMPLS = ("megatron", "paper")
-# The implementations whose runner can force its MoE router (`run_layer(..., route=)`, a `route_note`).
-ROUTED = ("hf", "megatron", "torchtitan")
-# config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (ROUTED runners only, ROUTES)]
+# config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (library runners only, ROUTES)]
 Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Overlap, "str | None"]
 
 
@@ -97,9 +95,8 @@ def measure_layer(
     """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
-        forced = {"route": route} if route else {}  # only ROUTED runners take one (measure checks)
-        logged: list[LoggedCollective] = []
-        saved, cuda = runner(config.impl).run_layer(tp, config, strategy, **forced, collectives=logged), None
+        logged: list[LoggedCollective] = []  # every runner can force its MoE router (`run_layer(..., route=)`)
+        saved, cuda = runner(config.impl).run_layer(tp, config, strategy, route=route, collectives=logged), None
         collectives = tuple(logged)
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
@@ -133,8 +130,7 @@ def _run_own_layer(
         with SavedTensorRecorder(layer.parameters()) as recorder:
             y = layer(x)
         cuda = _cuda_end(tp.device, start)
-        log.phase = "backward"
-        y.backward(torch.ones_like(y))
+        log.backward(y)
     return recorder.saved, cuda, tuple(log.calls)
 
 
@@ -324,7 +320,7 @@ def measure(
     layer: str = "library", overlap: Overlap = NO_OVERLAP, route: str | None = None,
 ) -> list[StrategyMeasurement]:
     """Measure each strategy on `layer` (memcalc.probe.LAYERS), everything checked before any rank starts; `route`
-    forces a ROUTED library's MoE router. Returns nothing on a torchrun rank other than 0."""
+    forces a library's MoE router. Returns nothing on a torchrun rank other than 0."""
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
     # meta first: else the two checks below send --impl hf on meta from --layer memcalc to library and back
@@ -340,9 +336,9 @@ def measure(
         raise ConfigError(f"impl {config.impl} has no library: its layer is memcalc's own (--layer memcalc)")
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
-    if route is not None and (layer != "library" or config.impl not in ROUTED or config.num_experts is None):
-        raise ConfigError(f"--route {route} forces a library's MoE router: it needs --impl {', '.join(ROUTED)} and"
-                          " num_experts")
+    if route is not None and (layer != "library" or config.num_experts is None):  # every library's runner routes
+        raise ConfigError(f"--route {route} forces a library's MoE router: it needs --impl {', '.join(sorted(RUNNERS))}"
+                          " and num_experts")
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
         raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")
     rings = sorted(m.value for m in overlap.methods if m.value.startswith("ring"))

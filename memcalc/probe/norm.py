@@ -24,15 +24,20 @@ class Norm(nn.Module):
 
     `heads`: over each head's d channels of (s, b, heads, d) (a QK norm): the statistics are labelled per head,
     (b, heads, s), and the input is left to whoever made it (a view of a fused QKV output, or a copy).
+    `sequence_parallel`: each rank normalises its own sequence shard, so the whole weights get partial gradients:
+    marked, as linear.py marks a row-parallel bias (and Megatron its norms).
     """
 
     def __init__(
         self, kind: str, h: int, names: NormTensors, dtype: torch.dtype, device: torch.device, heads: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.names, self.heads = kind, names, heads
         self.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(h, dtype=dtype, device=device)) if kind == "layernorm" else None
+        for param in self.parameters():
+            param.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.heads:

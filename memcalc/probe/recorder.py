@@ -43,6 +43,20 @@ def batch_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
+class HeldBy(torch.autograd.Function):
+    """forward: x itself, holding `held` for backward, so that the recorder counts them as long as x's node lives;
+    backward: dx as it came, and `held` goes."""
+
+    @staticmethod
+    def forward(ctx, x, *held):
+        ctx.save_for_backward(*held)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(None for _ in ctx.saved_tensors))
+
+
 class SavedTensorRecorder:
     """Context manager: every storage saved for backward inside it, deduplicated and labelled."""
 

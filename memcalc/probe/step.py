@@ -184,9 +184,7 @@ class GPT(nn.Module):
         dtype = DTYPES[config.dtype]
         self.embedding = Embedding(config, tp, sp)
         self.layers = nn.ModuleList(TransformerLayer(config, tp, sp, mlp=mlps(i)) for i in range(config.L))
-        self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device)
-        for param in self.final_norm.parameters():
-            param.sequence_parallel = sp
+        self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device, sequence_parallel=sp)
         padded = self.embedding.rows * tp.size
         self.output_layer = ColumnParallelLinear(config.h, padded, tp, sp, bias=False, dtype=dtype,
                                                  seed=WEIGHT_SEED + 1)
@@ -376,15 +374,16 @@ def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy:
 
 
 def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strategy,
-                    tracker: MomentTracker | None = None) -> StepMeasurement:
-    """One step of a warmed-up trainer under MemTracker (or `tracker`, a library's): the state before it, the peak,
-    and where the peak was."""
+                    tracker: MomentTracker | None = None, kinds: dict[str, str] = MEASURED_CATEGORIES
+                    ) -> StepMeasurement:
+    """One step of a warmed-up trainer under MemTracker (or `tracker`, a library's, whose categories are `kinds` as
+    `categories` reads them): the state before it, the peak, and where the peak was."""
     tracker = tracker or MomentTracker()
     trainer.register(tracker)
-    steady = categories(tracker.get_tracker_snapshot("current"))
-    with tracker:
+    with tracker:  # the state read once inside: FSDPMemTracker registers the shards and states as it is entered
+        steady = categories(tracker.get_tracker_snapshot("current"), kinds)
         trainer.step()
-    peak = categories(tracker.get_tracker_snapshot("peak"))
+    peak = categories(tracker.get_tracker_snapshot("peak"), kinds)
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 

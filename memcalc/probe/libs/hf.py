@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
-from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers, forced_routing
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers
 from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.hf_labels import MARKERS, attributed, label_rules_for
 from memcalc.probe.libs.labels import Labels, merged_rows
@@ -53,6 +52,7 @@ def record_layer(
     rules.check(config)
     family = layer_family(config).name
     layer, extra = _build(config, family, tp.device, dense, layer_type)
+    force_routes(layer, family, route, config.moe_router_topk)  # before the plan, as the step's model (hf_step)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
         hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
@@ -64,37 +64,22 @@ def record_layer(
     x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
     x = x.to(tp.device).requires_grad_()
     rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
-    with cuda_like_dropout(), routing(family, route, config.moe_router_topk), CollectiveLog() as log:
+    with cuda_like_dropout(), CollectiveLog() as log:
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
             y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
-        log.phase = "backward"
-        y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
-    if collectives is not None:
-        collectives.extend(log.calls)
+        log.backward(y, collectives)  # inside the shim: a checkpoint's recompute must drop out alike
     return merged_rows(attributed(recorder.saved, config), rules.IMPLEMENTATION)  # each expert's storages as one row
 
 
 run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by
 
 
-def routing(family: str, route: str | None, k: int) -> Any:
-    """The shim's forced router for a MoE family's router class, or nothing."""
-    if route is None:
-        return nullcontext()
-    return forced_routing(_router_class(family), route, k)
-
-
 def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
     """The shim's forced router on each router of `model` for its life (a checkpoint's rerun too), or nothing."""
-    if route is not None:
-        force_routers(model, _router_class(family), route, k)
-
-
-def _router_class(family: str) -> tuple[type]:
-    """The MoE family's router class, which a forced route replaces."""
-    _, module = _classes(family)
-    return (getattr(module, FAMILIES[family].router),)
+    if route is not None:  # the family's router class names them
+        _, module = _classes(family)
+        force_routers(model, (getattr(module, FAMILIES[family].router),), route, k)
 
 
 # -- building the layer -----------------------------------------------------------------
@@ -153,7 +138,7 @@ def transformers_config(config: ModelConfig, family: str, layer_type: str | None
     flash, "eager" for eager."""
     config_class, _ = _classes(family)
     common = {"hidden_size": config.h, "num_attention_heads": config.a, "num_hidden_layers": config.L,
-              "vocab_size": config.vocab_size,
+              "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
               "attn_implementation": "sdpa" if config.attention == "flash" else "eager"}
     return config_class(**common | _own_fields(config, family, layer_type))
 
@@ -164,24 +149,19 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
     no_ids = {"bos_token_id": None, "eos_token_id": None}  # no token ids past the probe's small vocabulary
     gpt = {"n_inner": config.ffn, "max_position_embeddings": config.s, "activation_function": gelu,
            "attn_pdrop": dropout, "resid_pdrop": dropout, "embd_pdrop": dropout}  # GPT-2's and GPT-J's
-    grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout,
-               "tie_word_embeddings": config.tie_embeddings}
+    grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout}
     if family == "bloom":
-        return {"attention_dropout": dropout, "hidden_dropout": dropout, "tie_word_embeddings": config.tie_embeddings}
+        return {"attention_dropout": dropout, "hidden_dropout": dropout}
     if family == "gpt2":  # wpe's rows; GPT2LMHeadModel's lm_head tied to wte unless the config unties it
-        return gpt | no_ids | {"max_position_embeddings": config.positions,
-                               "tie_word_embeddings": config.tie_embeddings}
+        return gpt | no_ids | {"max_position_embeddings": config.positions}
     if family == "gptj":  # rotary_dim: the rotated channels of each head
-        return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent),
-                      "tie_word_embeddings": config.tie_embeddings} | no_ids
+        return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent)} | no_ids
     if family == "gpt_neox":  # fused QKV with biases (add_bias_linear), partial RoPE
         return {"intermediate_size": config.ffn, "hidden_act": gelu, "max_position_embeddings": config.s,
                 "attention_dropout": dropout, "hidden_dropout": dropout, "attention_bias": config.add_bias_linear,
-                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent),
-                "tie_word_embeddings": config.tie_embeddings}
+                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent)}
     if family == "falcon":  # parallel_attn, RoPE; see _falcon_fields
-        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout,
-                                         "tie_word_embeddings": config.tie_embeddings}
+        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout}
     if family == "starcoder2":  # its class's gelu_pytorch_tanh for memcalc's gelu: torch's kernel keeps its input alone
         return grouped | no_ids | {
             "intermediate_size": config.ffn, "max_position_embeddings": config.s, "residual_dropout": dropout,
@@ -225,11 +205,10 @@ def _gpt_oss_fields(config: ModelConfig, layer_type: str | None) -> dict[str, An
 
 
 def _llama_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """A Llama-family class's: GQA, SwiGLU (or the tanh GeGLU), RMSNorm, RoPE, tied or not; then its family's own."""
+    """A Llama-family class's: GQA, SwiGLU (or the tanh GeGLU), RMSNorm, RoPE; then its family's own."""
     return {"num_key_value_heads": config.groups, "intermediate_size": config.ffn, "attention_dropout": config.dropout,
             "hidden_act": "gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
-            "max_position_embeddings": config.s, "tie_word_embeddings": config.tie_embeddings,
-            } | _moe_fields(config, family) | _family_fields(config, family)
+            "max_position_embeddings": config.s} | _moe_fields(config, family) | _family_fields(config, family)
 
 
 def _family_fields(config: ModelConfig, family: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.step import MomentTracker, StepMeasurement, batch, categories
+from memcalc.probe.step import MomentTracker, StepMeasurement, batch, measure_trainer
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
 torch = require_torch()
@@ -101,6 +101,9 @@ class ShardedTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
 
+    def register(self, tracker: FsdpMomentTracker) -> None:
+        """Nothing to show: FSDPMemTracker registers the shards and the optimizer's states as it is entered."""
+
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ShardedTrainer:
     """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): the family's model (LlamaForCausalLM, ...) built in
@@ -134,9 +137,5 @@ def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, s
 def measure_sharded(trainer: ShardedTrainer, tp: TensorParallelGroup, strategy: Strategy) -> StepMeasurement:
     """One step of a warmed-up sharded trainer under FSDPMemTracker."""
     tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
-    with tracker:  # entering registers the sharded parameters and the optimizer's states
-        steady = categories(tracker.get_tracker_snapshot("current"), FSDP_CATEGORIES)
-        trainer.step()
-    peak = categories(tracker.get_tracker_snapshot("peak"), FSDP_CATEGORIES)
-    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
+    return measure_trainer(trainer, tp, strategy, tracker, FSDP_CATEGORIES)
 

@@ -125,7 +125,8 @@ def _llama_rules(config: ModelConfig) -> tuple[Rule, ...]:
     first, second = _llama_norm_rules(config)
     if rules.is_glm(config):
         return (*first, *attention, *_glm_rules(), *second)
-    return (*first, *attention, *second, *_SWIGLU, *_moe_rules(config))
+    mlp = _gated_mlp("mlp", *(_GEGLU if config.mlp == "geglu_tanh" else _SWIGLU))
+    return (*first, *attention, *second, *mlp, *_moe_rules(config))
 
 
 def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -306,16 +307,27 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-_SWIGLU = (  # LlamaMLP's, or Gemma's tanh GeGLU
-    Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
-    Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
-    Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
-    Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
-    Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),
-    Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
-    Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
-    Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
-)
+def _gated_mlp(mlp: str, act: str, names: tuple[SavedTensor, ...], view: Callable[[Any], Any] | None = None
+               ) -> tuple[Rule, ...]:
+    """A gated MLP in `mlp` (LlamaMLP's code; the shared experts' too): `names` are gate_proj's input and output,
+    up_proj's output, act_fn's output (its torch function `act`) and down_proj's input; `view` gives each the
+    ledger's axes."""
+    fc1_in, gate, up, act_out, fc2_in = names
+    return (
+        Rule(f"{mlp}.gate_proj", "linear", fc1_in, arg=0, view=view),
+        Rule(f"{mlp}.gate_proj", "linear", gate, view=view),
+        Rule(f"{mlp}.up_proj", "linear", up, view=view),
+        Rule(f"{mlp}.act_fn", act, act_out, view=view),
+        Rule(f"{mlp}.down_proj", "linear", fc2_in, arg=0, view=view),
+    )
+
+
+# LlamaMLP's act_fn and what it keeps: SiLU's, or Gemma's tanh GeGLU's (mlp geglu_tanh)
+_SWIGLU = ("silu", (ledger.FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN))
+_GEGLU = ("gelu", (ledger.FC1_IN, rules.GEGLU_GATE, rules.GEGLU_UP, rules.GEGLU_GELU_OUT, ledger.FC2_IN))
+# The shared MLP's (Qwen2-MoE's on flattened tokens, DeepSeek-V3's on (b, s, h)); DeepSeek's reads the block's input
+# itself, the router an fp32 copy, so there the block's input is the shared MLP's
+_SHARED = (ledger.MOE_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
 
 # transformers' GELU modules, each as mlp.act: torch's kernel keeps its input; gelu_new, written out, keeps four
 _GELU = (
@@ -525,7 +537,7 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
             Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
             Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
             Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
-            *_expert_rules(experts), *_shared_rules("mlp.shared_experts", lambda x: x),
+            *_expert_rules(experts), *_gated_mlp("mlp.shared_experts", "silu", _SHARED),
         )
     return (
         Rule("mlp.gate", "linear", ledger.MOE_IN, arg=0, view=flat),
@@ -533,7 +545,7 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("mlp.gate", "topk", ledger.ROUTER_TOPK_INDICES, view=_kept("TopkBackward0", "_saved_indices", then=flat)),
         Rule("mlp.gate", "sum", rules.TOPK_SUM, view=per_token),
         Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
-        *_expert_rules(experts), *_shared_rules("mlp.shared_expert", flat),
+        *_expert_rules(experts), *_gated_mlp("mlp.shared_expert", "silu", _SHARED, flat),
         Rule("mlp.shared_expert.down_proj", "linear", rules.SHARED_OUT, view=flat),
         Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
     )
@@ -571,18 +583,6 @@ def _expert_paths(experts: str, loop: str, unsorted: int) -> tuple[Rule, ...]:
         Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
         Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
         Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
-    )
-
-
-def _shared_rules(shared: str, view: Callable[[Any], Any]) -> tuple[Rule, ...]:
-    """The shared MLP (Qwen2-MoE's on flattened tokens, DeepSeek-V3's on (b, s, h)); DeepSeek's reads the block's
-    input itself, the router an fp32 copy, so there the block's input is the shared MLP's."""
-    return (
-        Rule(f"{shared}.gate_proj", "linear", ledger.MOE_IN, arg=0, view=view),
-        Rule(f"{shared}.gate_proj", "linear", ledger.SHARED_GATE, view=view),
-        Rule(f"{shared}.up_proj", "linear", ledger.SHARED_UP, view=view),
-        Rule(f"{shared}.act_fn", "silu", ledger.SHARED_SILU_OUT, view=view),
-        Rule(f"{shared}.down_proj", "linear", ledger.SHARED_FC2_IN, arg=0, view=view),
     )
 
 

@@ -7,7 +7,7 @@ Why each patch, and how a forced route assigns the experts: docs/probe.md, "Drop
 from __future__ import annotations
 
 import importlib
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from types import MethodType
 from typing import Any, ContextManager, Iterator
 from memcalc.probe import require_torch, shims
@@ -57,18 +57,9 @@ def route_lead(route: str) -> str:
     return f"+{_LEAD:g} on {where}"
 
 
-@contextmanager
-def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iterator[None]:
-    """While inside, each router class's forward picks the experts `route` assigns (`lead`)."""
-    with ExitStack() as patches:
-        for cls in router_classes:
-            patches.enter_context(patched(cls, forward=_leading(cls.forward, route, k)))
-        yield
-
-
 def force_routers(model: Any, router_classes: tuple[type, ...], route: str, k: int) -> None:
-    """Each router of `model` picks the experts `route` assigns for the model's life: its forward, and a gradient
-    checkpoint's rerun of it inside backward, which `forced_routing` (a context around the forward) misses."""
+    """Each router of `model` picks the experts `route` assigns (`lead`) for the model's life: its forward, and a
+    gradient checkpoint's rerun of it inside backward (a context around the forward would miss it)."""
     for module in model.modules():
         if isinstance(module, router_classes):
             module.forward = MethodType(_leading(type(module).forward, route, k), module)

@@ -65,30 +65,38 @@ def run_layer(
     layer counts only what a live node still holds (kept_only): the aux loss's top-k saves indices for values nobody
     reads, freed as the router returns."""
     _check(config, tp)
-    routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
     layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
     # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
     sequence_parallel = strategy.sequence_parallel and tp.size > 1
+    with inside_megatron(tp, config, route):
+        torch.manual_seed(WEIGHT_SEED)
+        root = _build(config, tp, sequence_parallel, dense)
+        seed_rng_tracker(INPUT_SEED, tp.rank)
+        x = _layer_input(config, tp, sequence_parallel)
+        recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
+        from megatron.core.tensor_parallel import layers, mappings
+
+        # megatron's mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported
+        with CollectiveLog(aliases=(mappings, layers)) as log:
+            with recorder, Labels(root, label_rules(layer, tp.size)):
+                y = root(hidden_states=x, attention_mask=None)
+            y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
+            log.backward(y, collectives)
+    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
+
+
+@contextmanager
+def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | None) -> Iterator[None]:
+    """megatron's CPU shim, its parallel_state on the probe's group and the forced route (none: the real router), for
+    building and running its layer, or building and stepping the GPT (memcalc.probe.libs.megatron_step)."""
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
+        # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
+        # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
+        warnings.filterwarnings("ignore", "Module is None", UserWarning)
+        routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
         with cpu_megatron(), _model_parallel(tp, config.ep), routing:
-            torch.manual_seed(WEIGHT_SEED)
-            root = _build(config, tp, sequence_parallel, dense)
-            seed_rng_tracker(INPUT_SEED, tp.rank)
-            x = _layer_input(config, tp, sequence_parallel)
-            recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
-            from megatron.core.tensor_parallel import layers, mappings
-
-            # megatron's mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported
-            with CollectiveLog(aliases=(mappings, layers)) as log:
-                with recorder, Labels(root, label_rules(layer, tp.size)):
-                    y = root(hidden_states=x, attention_mask=None)
-                y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
-                log.phase = "backward"
-                y.backward(torch.ones_like(y))
-    if collectives is not None:
-        collectives.extend(log.calls)
-    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
+            yield
 
 
 def _quiet() -> None:
@@ -98,23 +106,18 @@ def _quiet() -> None:
 
 
 def _check(config: ModelConfig, tp: TensorParallelGroup) -> None:
-    """ProbeError for what megatron's local layer cannot run here (each its own line)."""
-    if config.moe:
-        _check_experts(config, tp)
+    """ProbeError for what megatron's local layer cannot run here (each its own line): experts with biases; ep > 1
+    outside a fake group of t*ep ranks, which only the fake and single launches can make (MoELayer's refusal of TP
+    without SP is the implementation's: `plan` refuses tp first); flash attention."""
+    check_expert_biases(config)
+    if config.moe and config.ep > 1 and tp.mode not in ("single", "fake"):
+        raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
+                         f" group only; measure with --launch fake (not {tp.mode})")
     if config.attention == "flash":
         raise ProbeError(
             "impl megatron: the local spec's core attention is DotProductAttention (eager); flash attention"
             " is Transformer Engine's, which needs CUDA; measure with --attention eager"
         )
-
-
-def _check_experts(config: ModelConfig, tp: TensorParallelGroup) -> None:
-    """Its experts cannot train with biases; ep > 1 needs a fake group of t*ep ranks, which only the fake and single
-    launches can make. (MoELayer's refusal of TP without SP is the implementation's: `plan` refuses tp first.)"""
-    check_expert_biases(config)
-    if config.ep > 1 and tp.mode not in ("single", "fake"):
-        raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
-                         f" group only; measure with --launch fake (not {tp.mode})")
 
 
 def check_expert_biases(config: ModelConfig) -> None:
@@ -513,7 +516,7 @@ def _activation_rules(config: ModelConfig, module: str, keeps: tuple[SavedTensor
     chunked), SiLU's output and glu's `up + offset` copy (the add after `fc1 + bias`, if any); fused, fc1's output
     before its bias, which (Bias|Weighted)SwiGLUFunction keeps."""
     gelu_in, _, _, silu_out, up_copy = keeps
-    fused = config.bias_activation_fusion  # experts never: their GELU has no bias (`_check_experts`)
+    fused = config.bias_activation_fusion  # experts never: their GELU has no bias (`check_expert_biases`)
     if config.mlp != "swiglu":
         return (Rule(f"{module}.linear_fc1", "forward", gelu_in, view=view) if fused else
                 Rule(module, "gelu", gelu_in, arg=0, view=view),)

@@ -222,9 +222,8 @@ class SequenceParallelNorm(nn.Module):
     ) -> None:
         super().__init__()
         kind = "rmsnorm" if config.normalization == "RMSNorm" else "layernorm"
-        self.norm = Norm(kind, hidden_size, names, config.params_dtype, torch.device("cpu"), heads=heads)
-        for param in self.parameters():
-            param.sequence_parallel = config.sequence_parallel
+        self.norm = Norm(kind, hidden_size, names, config.params_dtype, torch.device("cpu"), heads=heads,
+                         sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(x)

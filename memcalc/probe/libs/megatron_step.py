@@ -6,19 +6,17 @@ under `--step`".
 
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.libs.megatron import WEIGHT_SEED, _model_parallel, _quiet, check_expert_biases, transformer_config
-from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, layer_spec, seed_rng_tracker
+from memcalc.probe.libs.megatron import WEIGHT_SEED, check_expert_biases, inside_megatron, transformer_config
+from memcalc.probe.libs.megatron_shim import layer_spec, seed_rng_tracker
 from memcalc.probe.step import BATCH_SEED, GPT, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
@@ -31,20 +29,6 @@ def measure_megatron_step_on_rank(
     """Build the GPT with megatron-core's modules on this rank, run a warm-up step, then measure one step."""
     with inside_megatron(tp, config, route):
         return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
-
-
-@contextmanager
-def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | None) -> Iterator[None]:
-    """megatron's CPU shim, its parallel_state on the probe's group and the forced route (none: the real router), for
-    building and stepping the GPT."""
-    with warnings.catch_warnings():
-        _quiet()  # before the shim imports megatron, which warns as it is imported
-        # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
-        # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
-        warnings.filterwarnings("ignore", "Module is None", UserWarning)
-        routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
-        with cpu_megatron(), _model_parallel(tp, config.ep), routing:
-            yield
 
 
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
@@ -87,7 +71,7 @@ def _output_only(spec: Any, megatron_config: Any, layer_number: int, device: tor
     class OutputOnly(spec.module):
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             output, bias = super().forward(hidden_states, *args)
-            assert bias is None, "no biases here (megatron._check_experts, warmed_up)"
+            assert bias is None, "no biases here (megatron.check_expert_biases, warmed_up)"
             return output
 
     return build_module(replace(spec, module=OutputOnly), config=megatron_config, layer_number=layer_number).to(device)

@@ -26,7 +26,7 @@ from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
 from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, sdpa_inputs, statistics
 from memcalc.probe.measure import INPUT_SEED
-from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
+from memcalc.probe.recorder import HeldBy, SavedStorage, SavedTensorRecorder, label
 
 torch = require_torch()
 shim.stub_triton_kernels()
@@ -287,19 +287,6 @@ class AtenLabels(ModuleFrames, TorchDispatchMode):
         return self._called(func.overloadpacket.__name__, args, kwargs, func(*args, **kwargs))
 
 
-class _KeptUntilBackward(torch.autograd.Function):
-    """Saves the given tensors for backward, so that the recorder counts them; passes `anchor` through."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*kept)
-        return anchor.view_as(anchor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (grad, *(None for _ in ctx.saved_tensors))
-
-
 # -- the runner ---------------------------------------------------------------------
 
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
@@ -328,9 +315,6 @@ def run_layer(
                 y = block(x, None, None)
             cached = shim.cached_tensors(caches)  # the op outputs SelectiveAC keeps until backward's recompute
             if cached:
-                _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *cached)
-        log.phase = "backward"
-        y.backward(torch.ones_like(y))
-    if collectives is not None:
-        collectives.extend(log.calls)
+                HeldBy.apply(torch.zeros(0, requires_grad=True), *cached)
+        log.backward(y, collectives)
     return recorder.saved

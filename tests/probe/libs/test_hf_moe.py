@@ -26,7 +26,7 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import hf as runner  # noqa: E402
-from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
+from memcalc.probe.libs.hf_shim import force_routers  # noqa: E402
 from memcalc.probe.measure import compare, measure  # noqa: E402
 from . import assert_exact, assert_within_bounds  # noqa: E402
 
@@ -135,12 +135,12 @@ def _slots_per_expert(route: str) -> list[int]:
     config = transformers.MixtralConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2)
     router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
     torch.nn.init.normal_(router.weight, std=0.02)
-    with forced_routing((type(router),), route, k=2):
-        _, _, indices = router(torch.randn(6, 8))
+    force_routers(router, (type(router),), route, k=2)
+    _, _, indices = router(torch.randn(6, 8))
     return torch.bincount(indices.flatten(), minlength=4).tolist()
 
 
-def test_the_forced_routes_send_each_expert_the_slots_they_say_and_undo_themselves():
+def test_the_forced_routes_send_each_expert_the_slots_they_say_and_leave_the_router_class_alone():
     original = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter.forward
     assert _slots_per_expert("balanced") == [3, 3, 3, 3]  # k*b*s/E = 2*6/4
     assert _slots_per_expert("all-to-one") == [6, 6, 0, 0]
