@@ -126,9 +126,10 @@ class _Schedule:
         tape = self.parts.tape
         found = tuple(filter(None, map(tape.live.get, self.names)))  # the tensors under them (a Live names itself)
         key = (*what, found)
-        if key in self.walked:
-            tape.replay(self.walked[key].trace)
-            return self.walked[key]
+        done = self.walked.get(key)
+        if done is not None:
+            tape.replay(done.trace)
+            return done
         walks = [replace(x, walk=x.walk.copy()) for x in segments]
 
         def walk() -> None:
