@@ -7,7 +7,9 @@ timeline (every layer of DeepSeek-V3 671B, pp 16) walks in under a second. This 
   - each shipped config (DeepSeek-V3's 61 layers on one stage), under its own implementation, each strategy;
   - the same under the transformers implementation (`--impl hf`), where it is walked;
   - each shipped mixture of experts under `--impl hf` with transformers' eager expert loop, walked expert by expert
-    (qwen3-30b-a3b: 128 experts in each of 48 layers).
+    (qwen3-30b-a3b: 128 experts in each of 48 layers);
+  - each shipped config under torchtitan's pipeline (`--impl torchtitan`, at its own pp and at pp 8 and 16), which
+    walks every rank's stage and on each every micro-batch (gpt3-1t: 64 stages of 64 micro-batches).
 
 DeepSeek-V3's 61 layers do not split evenly over pp 16 (memcalc models even stages), so its full-model walk is the
 one stage of pp 1, which walks all 61: more than any stage of pp 16 would.
@@ -45,6 +47,10 @@ def cases() -> list[tuple[str, str, dict[str, object]]]:
     for name in names:
         found += [(name, name, {}), (f"{name} --impl hf", name, {"impl": "hf"})]
     found += [(f"{name} --impl hf, eager experts", name, eager) for name in names if load_config(Path(name), {}).moe]
+    for name in names:
+        own = [{}] if load_config(Path(name), {}).pp > 1 else []
+        found += [(f"{name} --impl torchtitan" + "".join(f" --pp {x}" for x in pp.values()), name,
+                   {"impl": "torchtitan"} | pp) for pp in (*own, {"pp": 8}, {"pp": 16})]
     return found
 
 

@@ -9,7 +9,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import torchtitan_stages
 from memcalc.sizing.timeline import ACTIVATIONS, timelines, timeline
-from memcalc.sizing.timeline.torchtitan_pp import schedule
+from memcalc.sizing.timeline.torchtitan_pp import _Schedule, schedule
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
 
@@ -53,3 +53,37 @@ def test_with_pp_4_a_middle_stage_bounds_memory_where_megatrons_first_and_last_w
     walked = timelines(config, STRATEGIES["none"], CPU)
     assert [x.stage for x in walked] == ["first", "rank 1", "rank 2", "last"]
     assert max(walked, key=lambda x: x.peak.bytes).stage == "rank 1"
+
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+
+
+@pytest.mark.parametrize("changes, device", [
+    ({"num_microbatches": 5}, "cpu"),
+    ({"pp": 4, "L": 8, "num_microbatches": 6, "recompute": "op"}, "cuda"),
+    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "full", "dtype": "fp32"}, "cpu"),
+    ({"pp": 4, "L": 2, "b": 1, "s": 7, "recompute": "full"}, "cuda"),  # 0, 1, 1, 0 layers
+    (MOE | {"pp": 3, "L": 7, "moe_layer_freq": 2, "recompute": "op", "moe_shared_expert_intermediate_size": 48},
+     "cuda"),
+])
+def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_would(monkeypatch, changes, device):
+    config = make_config(LLAMA3, **({"pp": 2} | changes))
+    accounting = Accounting(exact=True, device=device)
+    replayed = timelines(config, STRATEGIES["none"], accounting)
+    walk, live_before = _Schedule._walk, set()
+
+    def walk_anew(self, what, segments, backward=False, before=()):
+        self.walked.clear()  # nothing to replay
+        live = self.parts.tape.live
+        if not before:  # a forward's first walk
+            live_before.clear()
+            live_before.update(live)
+        done = walk(self, what, segments, backward, before)
+        assert backward or done.made == [x for x in live if x not in live_before]
+        return done
+    monkeypatch.setattr(_Schedule, "_walk", walk_anew)
+    walked = timelines(config, STRATEGIES["none"], accounting)
+    for ours, theirs in zip(replayed, walked, strict=True):
+        assert ours.moments == theirs.moments
+        assert [x.at for x in ours.moments] == [x.at for x in theirs.moments]
+        assert ours.moments[-1].log == theirs.moments[-1].log  # every tensor made and freed, in order

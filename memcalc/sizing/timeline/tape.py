@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod as prod  # the walks' element counts, imported from here
@@ -199,9 +200,80 @@ class Tape:
         """The same bytes, under the name the next op knows them by (a gradient handed on, a buffer reused)."""
         self.live[new] = self.live.pop(old)._replace(name=new)
 
+    def rename_all(self, names: dict[str, str]) -> None:
+        """`rename` of each of `names` (old -> new) in turn, at a fraction of the cost (a pipeline renames every
+        micro-batch's tensors apart from the next one's, and back): by _Live's own pop and set, the totals as they
+        were, unless a tensor is live under the new name already."""
+        live, log = self.live, self.live.log
+        for old, new in names.items():
+            if new in live:
+                self.rename(old, new)
+                continue
+            x = dict.pop(live, old)
+            x = Live(new, x.category, x.bytes, x.why)
+            dict.__setitem__(live, new, x)
+            log += (old, x)
+
     def mark(self, phase: str, where: str, what: str) -> None:
         live = self.live
         self.moments.append(Moment(phase, where, what, tuple(live.totals.values()), live.log, len(live.log)))
+
+    def traced(self, walk: Callable[[], None]) -> Trace:
+        """`walk` run on the tape, and what it did there (`replay` does it again)."""
+        live = self.live
+        at, moments, before, names = len(live.log), len(self.moments), tuple(live.totals.values()), set(live)
+        walk()
+        changes, left = live.log[at:], {}
+        for x in changes:  # what it left live, in the order the tape then holds it
+            if type(x) is str:
+                left.pop(x, None)
+            else:
+                left[x.name] = x
+        gone = {x for x in changes if type(x) is str and x in names}  # each tensor live before that went
+        marked = self.moments[moments:]
+        columns = zip(*(_less(x.totals, before) for x in marked)) if marked else ((),) * len(CATEGORIES)
+        return Trace(tuple(changes), tuple(gone), tuple(left.values()),
+                     tuple(tuple(getattr(x, name) for x in marked) for name in ("phase", "where", "what")),
+                     tuple(x if any(x) else None for x in columns), tuple(x.at - at for x in marked),
+                     _less(tuple(live.totals.values()), before))
+
+    def replay(self, trace: Trace) -> None:
+        """What a traced walk did, done again, where it would do the same (the same ops, the same tensors live under
+        every name they touch): its changes to the live tensors, and its moments, on top of those live now."""
+        live, log = self.live, self.live.log
+        at, before = len(log), tuple(live.totals.values())
+        for name in trace.gone:  # as _Live's own pop and set, without a log entry: the trace's are added after
+            dict.pop(live, name)
+        for x in trace.left:
+            dict.__setitem__(live, x.name, x)
+        log += trace.log
+        for category, change in zip(CATEGORIES, trace.totals):
+            live.totals[category] += change
+        # each moment's totals a tuple zip makes of the categories' columns (one the walk left alone repeats its
+        # total): a step replays some half a million moments
+        repeat = itertools.repeat
+        columns = (repeat(x) if change is None else map(operator.add, repeat(x), change)
+                   for x, change in zip(before, trace.changes))
+        self.moments += map(Moment, *trace.moments, zip(*columns), repeat(log), map(operator.add, repeat(at), trace.at))
+
+
+class Trace(NamedTuple):
+    """What a walk did to a tape: its changes to the live tensors (the log's entries; in sum, the tensors live before
+    that went, `gone`, and those it left live, in the order the tape holds them, `left`), its moments (their phases,
+    wheres and whats; for each category their totals less the one before the walk, None where none changed; how many
+    changes came before each), and its change to the totals."""
+
+    log: tuple[Live | str, ...]
+    gone: tuple[str, ...]
+    left: tuple[Live, ...]
+    moments: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+    changes: tuple[tuple[int, ...] | None, ...]
+    at: tuple[int, ...]
+    totals: tuple[int, ...]
+
+
+def _less(totals: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(map(operator.sub, totals, before))
 
 
 @contextmanager

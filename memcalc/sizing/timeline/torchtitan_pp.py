@@ -14,7 +14,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Live, Sizes, Tape, Timeline, Trace, bulk
 from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts, stage_layers
 from memcalc.sizing.timeline.walk import Op
 
@@ -27,7 +27,8 @@ def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accou
     parts, _ = model_parts(config, strategy, accounting, st)
     receive_buffers(parts.tape, config, parts.z, st)
     parts.tape.mark("steady", "", "model states between steps")
-    walk_stage(parts, st)
+    with bulk():  # every micro-batch's moments: half a million on gpt3-1t's 64 stages
+        walk_stage(parts, st)
     return parts.timeline(st.name)
 
 
@@ -45,16 +46,12 @@ def walk_stage(parts: Parts, stage: Stage) -> None:
     """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted (on
     CUDA then each micro-batch's positions and block mask, live all step), then each micro-batch's forward and
     backward (`_Schedule`)."""
-    z, m, tape = parts.z, torchtitan_microbatches(parts.config), parts.tape
+    z, m = parts.z, torchtitan_microbatches(parts.config)
     count = embedding_ops(replace(z, b=z.b * m, cuda=False))[0]  # the local batch, every micro-batch's ids and labels
     parts.ends(None, "", (count,)).walk.forward((count,))
-    for j in range(m if z.cuda else 0):
-        before = set(tape.live)
-        flex = Op("", forward=flex_inputs(z), backward=())
-        parts.ends(None, "", (flex,)).walk.forward((flex,))
-        for x in [x for x in tape.live if x not in before]:
-            tape.rename(x, apart(j, x))
     run = _Schedule(parts, stage)
+    for j in range(m if z.cuda else 0):
+        run.load(j)
     for forward, j in schedule(m, parts.config.pp, stage_rank(stage.name, parts.config.pp)):
         (run.forward if forward else run.backward)(j)
     run.end()
@@ -65,52 +62,52 @@ class _Schedule:
     """Micro-batches walked on one stage's rank, each one's tensors renamed apart (`apart`) from its forward to its
     backward. Beyond a backward the schedule keeps its latest forward's output (its `output`) until the next forward
     returns; on the last stage each loss to the step's end, and each input gradient, sent, until the next backward
-    returns (its `bwd_sends`)."""
+    returns (its `bwd_sends`).
+
+    Every micro-batch runs the same ops, and a walk of them reads and writes the tape only under the names they know
+    (`names`), never another micro-batch's, renamed apart: where it finds the same tensors under those names as an
+    earlier micro-batch's walk did (in backward, after the same forward: its walks' state), it does what that one
+    did, which is replayed (`Tape.replay`) rather than walked again."""
 
     parts: Parts
     stage: Stage
     made: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> what its forward left live
-    walks: dict[int, list[Segment]] = field(default_factory=dict)  # micro-batch -> its walks, for its backward
+    forwards: dict[int, tuple[_Walked, _Walked]] = field(default_factory=dict)  # micro-batch -> its chunk's and loss's
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
+    walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by what they found (`_walk`)
 
-    @property
-    def layers(self) -> range:
-        """The layers the stage's chunk holds."""
-        return stage_layers(self.parts.config, self.stage)
+    def __post_init__(self) -> None:
+        parts, layers = self.parts, stage_layers(self.parts.config, self.stage)  # the layers the stage's chunk holds
+        # what the stage's chunk returns (its last layer's output, on the last stage the logits), and the gradient of
+        # its input, which it sends (but on the first stage)
+        self.output = "lm_head/logits" if self.stage.has_output else f"layers.{layers.stop}/input"
+        self.sent = f"grad/layers.{layers.start}/input"
+        # the segments walked (each walk walks a copy): CUDA's flex inputs, the chunk and the loss
+        self.flex = [parts.ends(None, "", (Op("", forward=flex_inputs(parts.z), backward=()),))]
+        self.chunk, self.loss = parts.chunk(self.stage, layers, pipelined=True)
+        self.names = tuple(set().union(*(x.walk.names(x.ops) for x in (*self.flex, *self.chunk, *self.loss))))
 
-    @property
-    def output(self) -> str:
-        """What the stage's chunk returns: its last layer's output, on the last stage the logits."""
-        return "lm_head/logits" if self.stage.has_output else f"layers.{self.layers.stop}/input"
-
-    @property
-    def sent(self) -> str:
-        """The gradient of the stage's input, which it sends (but on the first stage)."""
-        return f"grad/layers.{self.layers.start}/input"
+    def load(self, j: int) -> None:
+        """Micro-batch j's positions and block mask (CUDA's flex attention reads them), made: live all step."""
+        self.parts.tape.rename_all({x: apart(j, x) for x in self._walk(("flex",), self.flex).made})
 
     def forward(self, j: int) -> None:
         tape = self.parts.tape
-        before = set(tape.live)
-        chunk, loss = self.parts.chunk(self.stage, self.layers, pipelined=True)
-        for segment in chunk:
-            segment.walk.forward(segment.ops)
+        chunk = self._walk(("chunk",), self.chunk)
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
             tape.drop(apart(self.latest, self.output))
         self.latest = j
-        for segment in loss:
-            segment.walk.forward(segment.ops)
-        self.made[j], self.walks[j] = [x for x in tape.live if x not in before], [*chunk, *loss]
-        for x in self.made[j]:
-            tape.rename(x, apart(j, x))
+        loss = self._walk(("loss", id(chunk)), self.loss, before=(chunk,))
+        self.forwards[j], self.made[j] = (chunk, loss), loss.made
+        tape.rename_all({x: apart(j, x) for x in self.made[j]})
 
     def backward(self, j: int) -> None:
         tape = self.parts.tape
-        for x in self.made.pop(j):  # but the output, which its backward's rerun (under a checkpoint) makes again
-            if x != self.output:
-                tape.rename(apart(j, x), x)
-        for segment in reversed(self.walks.pop(j)):
-            segment.walk.backward(segment.ops)
+        # but the output, which its backward's rerun (under a checkpoint) makes again
+        tape.rename_all({apart(j, x): x for x in self.made.pop(j) if x != self.output})
+        chunk, loss = self.forwards.pop(j)
+        self._walk(("backward", id(loss)), [*chunk.segments, *loss.segments], backward=True)
         self.done.add(j)
         if self.latest != j:
             tape.drop(apart(j, self.output))
@@ -121,9 +118,57 @@ class _Schedule:
             tape.drop(apart(j - 1, self.sent))
             tape.rename(self.sent, apart(j, self.sent))
 
+    def _walk(self, what: tuple[object, ...], segments: list[Segment], backward: bool = False,
+              before: tuple[_Walked, ...] = ()) -> _Walked:
+        """The forward (or `backward`, last first) of copies of `segments` (their walks as they are) on the tape,
+        replayed if walked before as `what` (the walk, and the forward it follows) under the same tensors, else
+        walked and traced; a forward also says what it left live, with the walks of the same forward `before` it."""
+        tape = self.parts.tape
+        found = tuple(filter(None, map(tape.live.get, self.names)))  # the tensors under them (a Live names itself)
+        key = (*what, found)
+        done = self.walked.get(key)
+        if done is not None:
+            tape.replay(done.trace)
+            return done
+        walks = [replace(x, walk=x.walk.copy()) for x in segments]
+
+        def walk() -> None:
+            for x in reversed(walks) if backward else walks:
+                (x.walk.backward if backward else x.walk.forward)(x.ops)
+        self.walked[key] = done = _Walked(found, tape.traced(walk))
+        if not backward:  # the walks' state, from which a micro-batch's backward walks
+            done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
+            done.made = made((*before, done)[0].found, *(x.trace for x in (*before, done)))
+        return done
+
     def end(self) -> None:
         """The schedule's step returns: its latest output goes, and the last input gradient sent."""
         self.parts.tape.drop(apart(self.latest, self.output), apart(max(self.done), self.sent))
+
+
+@dataclass(eq=False)
+class _Walked:
+    """A walk traced once: the tensors it found under the names the stage's ops know (`found`), what it did
+    (`trace`), and after a forward its segments as it left them (the state a micro-batch's backward walks from)."""
+
+    found: tuple[Live, ...]
+    trace: Trace
+    segments: list[Segment] = field(default_factory=list)
+    made: list[str] = field(default_factory=list)  # a forward: what it left live (with the walks before it)
+
+
+def made(found: tuple[Live, ...], *traces: Trace) -> list[str]:
+    """The names traced walks left live, in order, that were not live before them (when `found` was, of every name
+    they touch)."""
+    live = {x.name: x for x in found}
+    for trace in traces:
+        for x in trace.log:
+            if type(x) is str:
+                del live[x]
+            else:
+                live[x.name] = x
+    before = {x.name for x in found}
+    return [x for x in live if x not in before]
 
 
 def schedule(m: int, pp: int, rank: int) -> list[tuple[bool, int]]:

@@ -7,7 +7,7 @@ Op, Step, Made and Checkpoint, and how forward, backward and a rerun put them on
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from memcalc.model.ledger import SavedTensor
@@ -123,6 +123,23 @@ class Walk:
     _input_freed: bool = False  # under a checkpoint: whether an op's backward frees the region's input by name
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
     _aliases: dict[str, str] = field(default_factory=dict)  # a saved tensor's tape name -> the live tensor it is
+
+    def names(self, ops: tuple[Op, ...]) -> set[str]:
+        """Every tape name a walk of `ops` reads or writes: what they make (a saved tensor also by the walk's prefix),
+        free, read last and hand over, what they keep, and the checkpoint's. It touches no other tensor."""
+        checkpoint = self.checkpoint or Checkpoint("")
+        found = {checkpoint.holds, *checkpoint.cached, *checkpoint.frame}
+        for op in ops:
+            found.update(kept_name(self.prefix, x) for x in op.saves)
+            for step in (*op.forward, *op.backward):
+                found.update(step.frees, step.reads_last, step.hands_over, (x.name for x in step.makes))
+                found.update(kept_name(self.prefix, x.keeps) for x in step.makes if x.keeps is not None)
+        return found
+
+    def copy(self) -> Walk:
+        """The walk as it is now, with a state of its own (what it found and kept so far)."""
+        return replace(self, _kept_by=dict(self._kept_by), _rerun_kept=set(self._rerun_kept),
+                       _releases=dict(self._releases), _aliases=dict(self._aliases))
 
     def forward(self, ops: tuple[Op, ...]) -> None:
         self._first_keepers(ops)
