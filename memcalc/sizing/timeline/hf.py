@@ -144,7 +144,13 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
                  " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
     saved = {x.name: nbytes for x, nbytes in (*dense, *kept)}
-    hand_over = _hand_over(tape, sharding)
+
+    def hand_over(where: str, name: str, nbytes: int) -> None:
+        """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
+        unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
+        tape.drop(name)
+        if sharding is not None:
+            sharding.keep_grad(tape, where, moe.weight_of(where, name), nbytes)
     if rules.is_gpt2(config):
         inputs, layers, outputs = _gpt2(tape, config, z, saved, hand_over)
     else:
@@ -420,16 +426,6 @@ def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
          f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
          " routing would give them unequal counts)"),
     ]
-
-
-def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
-    """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
-    unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
-    def hand_over(where: str, name: str, nbytes: int) -> None:
-        tape.drop(name)
-        if sharding is not None:
-            sharding.keep_grad(tape, where, moe.weight_of(where, name), nbytes)
-    return hand_over
 
 
 # A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
