@@ -144,7 +144,13 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
                  " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
     saved = {x.name: nbytes for x, nbytes in (*dense, *kept)}
-    hand_over = _hand_over(tape, sharding)
+
+    def hand_over(where: str, name: str, nbytes: int) -> None:
+        """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
+        unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
+        tape.drop(name)
+        if sharding is not None:
+            sharding.keep_grad(tape, where, moe.weight_of(where, name), nbytes)
     if rules.is_gpt2(config):
         inputs, layers, outputs = _gpt2(tape, config, z, saved, hand_over)
     else:
@@ -284,10 +290,27 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     family, tp = layer_family(config).name, strategy.tensor_parallel and config.t > 1
     sharded = config.dp_shard is not None or config.zero_stage is not None
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
+    gpt2, gpt_oss = family == "gpt2", family == "gpt_oss"
+    slots = config.moe_router_topk * config.b * config.s if config.moe else 0
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
-        *_gpt2_missing(config, family, tp),
-        *_gpt_oss_missing(config, family, sharded),
+        # GPT2LMHeadModel's walk (memcalc.sizing.timeline.hf_gpt2); SDPA with dropout is the flash kernel's walk on
+        # CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code), and on a CPU torch's
+        # math kernel
+        (gpt2 and tp, f"GPT-2's model under tp (t={config.t}): GPT2Config has no base_model_tp_plan"),
+        (gpt2 and not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
+        (gpt2 and config.position_embedding_type != "learned_absolute",
+         f"GPT-2 with position_embedding_type {config.position_embedding_type} (GPT2Model learns its positions: wpe)"),
+        (gpt2 and sharded, "GPT-2's model under dp_shard or zero_stage"),
+        # GptOssForCausalLM's walk (memcalc.sizing.timeline.hf_gpt_oss) is measured without checkpointing, its experts
+        # by grouped_mm, on one unsharded rank (its eager attention with sinks the config's validation requires)
+        (gpt_oss and config.recompute != "none",
+         f"recompute {config.recompute} (gradient checkpointing) in gpt-oss's model"),
+        (gpt_oss and not moe.grouped(config), "gpt-oss's experts by the eager loop"),
+        (gpt_oss and sharded, "gpt-oss's model under dp_shard or zero_stage"),
+        # b = s = 1: the sinks' gradient is a strided view that AccumulateGrad copies (measured: 16 B filed as
+        # gradients, not temporaries, at the scale's backward)
+        (gpt_oss and config.b * config.s == 1, "one token (b = s = 1) in gpt-oss's model"),
         (config.sliding_window is not None and not _slides(config, 0),
          f"sliding_window={config.sliding_window} outside Gemma 2 and 3 and gpt-oss (it walks a window in their models"
          " only)"),
@@ -339,7 +362,16 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.dtype == "fp16" and config.zero_stage is not None,
          f"dtype fp16 with zero_stage={config.zero_stage} (DeepSpeed's loss-scaled fp16 optimizer; bf16 and fp32 are"
          " walked)"),
-        *_experts_missing(config, tp),
+        # the sparse MoE blocks' walk (memcalc.sizing.timeline.hf_moe): grouped_mm's tensors hold all k*b*s slots
+        # whatever the counts, the eager loop's are per expert
+        (config.moe and tp and not moe.grouped(config), f"the eager loop's experts under tp (t={config.t})"),
+        (config.moe and config.ep != 1, f"ep={config.ep}"),
+        (config.moe and config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced"
+                                                         " bound, kbs/E slots an expert, which the forced balanced"
+                                                         " router gives)"),
+        (config.moe and config.experts_implementation == "eager" and slots % config.num_experts != 0,
+         f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
+         " routing would give them unequal counts)"),
         (config.mla and config.recompute != "none", f"{rerun} latent attention"),
         (config.mla and config.zero_stage is not None, "zero_stage with latent attention (DeepSpeed's step on it"
                                                        " unmeasured)"),
@@ -371,65 +403,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
-
-
-def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool, str]]:
-    """What the walk of GPT2LMHeadModel (memcalc.sizing.timeline.hf_gpt2) leaves out. SDPA with dropout is the
-    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code), and
-    on a CPU torch's math kernel."""
-    if family != "gpt2":
-        return []
-    return [
-        (tp, f"GPT-2's model under tp (t={config.t}): GPT2Config has no base_model_tp_plan"),
-        (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
-        (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
-                                                                f" {config.position_embedding_type} (GPT2Model learns"
-                                                                " its positions: wpe)"),
-        (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
-    ]
-
-
-def _gpt_oss_missing(config: ModelConfig, family: str, sharded: bool) -> list[tuple[bool, str]]:
-    """What the walk of GptOssForCausalLM (memcalc.sizing.timeline.hf_gpt_oss) leaves out: it is measured without
-    checkpointing, its experts by grouped_mm, on one unsharded rank (its eager attention with sinks the config's
-    validation requires)."""
-    if family != "gpt_oss":
-        return []
-    return [
-        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in gpt-oss's model"),
-        (not moe.grouped(config), "gpt-oss's experts by the eager loop"),
-        (sharded, "gpt-oss's model under dp_shard or zero_stage"),
-        # b = s = 1: the sinks' gradient is a strided view that AccumulateGrad copies (measured: 16 B filed as
-        # gradients, not temporaries, at the scale's backward)
-        (config.b * config.s == 1, "one token (b = s = 1) in gpt-oss's model"),
-    ]
-
-
-def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
-    """What the walk of the sparse MoE blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm's tensors hold
-    all k*b*s slots whatever the counts, the eager loop's are per expert."""
-    if not config.moe:
-        return []
-    slots = config.moe_router_topk * config.b * config.s
-    return [
-        (tp and not moe.grouped(config), f"the eager loop's experts under tp (t={config.t})"),
-        (config.ep != 1, f"ep={config.ep}"),
-        (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
-                                          " an expert, which the forced balanced router gives)"),
-        (config.experts_implementation == "eager" and slots % config.num_experts != 0,
-         f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
-         " routing would give them unequal counts)"),
-    ]
-
-
-def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
-    """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
-    unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
-    def hand_over(where: str, name: str, nbytes: int) -> None:
-        tape.drop(name)
-        if sharding is not None:
-            sharding.keep_grad(tape, where, moe.weight_of(where, name), nbytes)
-    return hand_over
 
 
 # A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):

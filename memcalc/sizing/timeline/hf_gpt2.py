@@ -13,6 +13,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
+from memcalc.sizing.params import layer_elements
 from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
@@ -45,13 +46,20 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
               saves=tuple(norm))
 
 
-def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs: int, z: Sizes, dx: str,
+# GPT-2's attention modules by their names in the per-parameter inventory (memcalc.sizing.params), which names them
+# as Llama's; the MLP's are its own
+INVENTORY = {"attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj"}
+
+
+def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, z: Sizes, dx: str,
            frees: tuple[str, ...] = (), reduced: bool = False) -> Op:
     """transformers' Conv1D: addmm(bias, x viewed (b * s, inputs), weight (inputs, outputs)), `gemm` its forward; in
-    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear). `reduced`: a colwise
-    nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
-    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs,
-                reduced=reduced)
+    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear), the weight's and the
+    bias's gradients sized by the inventory, which says whether there is a bias (StarCoder 2's nn.Linear has one only
+    with use_bias). `reduced`: a colwise nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
+    m = INVENTORY.get(where, where)
+    bias = z.weight(f"{m}.bias") if f"{m}.bias" in layer_elements(z.config, z.t) else 0
+    op = linear(where, x, None, z.weight(m), dx, z.full(inputs), p, frees, bias=bias, reduced=reduced)
     return replace(op, forward=(gemm,))
 
 
@@ -100,7 +108,7 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     why = "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage whole"
     qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) \
         if copies or math and not viewed else tuple(kept(p, x, why) for x in QKV)
-    c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
+    c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
     kept_v = QKV if viewed else (rules.GPT2_MATH_V,) if z.act == 4 else (rules.MATH_V,)
     core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z, kept_v) if math else _sdpa(p, z)
@@ -111,7 +119,7 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     returns = Step("", frees=tuple(x.name for x in qkv if x.keeps is None),
                    reads_last=tuple(x.name for x in qkv if x.keeps is not None))
     c_proj = conv1d("attn.c_proj", p, ledger.PROJ_IN, Step("the GEMM", (proj,), reads_last=kept_names(
-        p, ledger.PROJ_IN)), h, h, z, f"{g}/c_proj input", (f"{g}/attn dropped",) if dropped else ())
+        p, ledger.PROJ_IN)), h, z, f"{g}/c_proj input", (f"{g}/attn dropped",) if dropped else ())
     c_proj = replace(c_proj, forward=(*c_proj.forward, *(() if dropped else (returns,))))
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/attn dropped",
                      full, gone=(proj.name,), then=returns),) if dropped else ()
@@ -202,7 +210,7 @@ def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout",
     F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in; `tp`: its
     c_fc colwise, c_proj rowwise)."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
-    c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
+    c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, z,
                   f"{g}/ln2 output", (f"{g}/gelu_in",), reduced=tp)
     act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
         Step("GELU", (kept(p, ledger.FC2_IN),), reads_last=kept_names(p, ledger.GELU_IN)),), (
@@ -212,7 +220,7 @@ def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout",
     out = Made(f"{p}/mlp output", full, "the MLP's output, a local of the block to its return")
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
     c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, rowwise(Step("the GEMM", (proj,), reads_last=kept_names(
-        p, ledger.FC2_IN)), f"{p}/mlp partial", tp), f, z.h, z, f"{g}/act output",
+        p, ledger.FC2_IN)), f"{p}/mlp partial", tp), f, z, f"{g}/act output",
                     (f"{g}/mlp dropped",) if dropped else ())
     resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()

@@ -96,9 +96,10 @@ def glu_backward(g: str, act: int, r: int, f: int, dy: str) -> tuple[Op, ...]:
     )
 
 
-def bias_backward(g: str, proj: str, nbytes: int, dy: str) -> Op:
+def bias_backward(g: str, proj: str, z: Sizes, dy: str) -> Op:
     """{proj}_bias[sorted ids]'s backward: the rows' gradient (`dy`, which the in-place bias add passes on beside the
     GEMM's) accumulated into a zero (E, width) tensor at each row's expert, handed over; dY goes after it."""
+    nbytes = z.weight(f"mlp.experts.{proj}_proj_bias")
     return Op("mlp.experts", (), (
         Step(f"{proj}_bias's gradient: index_put into a zero (E, width) tensor", (
             Made(f"{g}/{proj} bias zeros", nbytes, "a zero (E, width) tensor"),
@@ -119,10 +120,11 @@ def router_backward(g: str, z: Sizes, k: int, experts: int, summed: tuple[Step, 
             Made(f"{g}/logits zeros", logits, "a zero (b*s, E) tensor"), Made(f"{g}/logits", logits, "scatter's")),
             frees=(f"{g}/logits zeros", f"{g}/top values")),), (ledger.ROUTER_TOPK_INDICES,)),
         Op("mlp.router", (), (
-            Step("GEMMs: dX and dW", (Made(f"{g}/input", z.full(z.h), "dY W"),
-                                      Made(f"{g}/weight", act * experts * z.h, WHY_WGRAD)), returns=True, moment=False),
-            Step("the bias's gradient: dY summed over the tokens", (Made(f"{g}/bias", act * experts, WHY_BGRAD),),
-                 frees=(f"{g}/logits",), reduced=True, moment=False),
+            Step("GEMMs: dX and dW", (Made(f"{g}/input", z.full(z.h), "dY W"), Made(
+                f"{g}/weight", z.weight("mlp.router"), WHY_WGRAD)), returns=True, moment=False),
+            Step("the bias's gradient: dY summed over the tokens", (Made(
+                f"{g}/bias", z.weight("mlp.router.bias"), WHY_BGRAD),), frees=(f"{g}/logits",), reduced=True,
+                moment=False),
             *summed,
             Step("", hands_over=(f"{g}/bias", f"{g}/weight")),
         ), (ledger.MOE_IN,)),
@@ -171,7 +173,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             Step("autograd sums the logits' two gradients", (Made(f"{g}/logits", logits, "the softmax's and max's"),),
                  frees=(f"{g}/shifted", f"{g}/max scattered")),
             Step("cat's backward: the sinks' gradient summed over the batch and the queries", (
-                Made(f"{g}/sinks", z.act * z.a_t, "(a,)"),), hands_over=(f"{g}/sinks",), moment=False),
+                Made(f"{g}/sinks", z.weight("self_attn.sinks"), "(a,)"),), hands_over=(f"{g}/sinks",), moment=False),
             Step("the scale's backward", (Made(f"{g}/scaled scores", scores, "the mask's add passes it on"),),
                  frees=(f"{g}/logits",)),
         )),

@@ -475,7 +475,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
 
 def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     """grouped_mm's ops, as autograd runs them."""
-    g, f, experts = f"{sums.stem}/experts", config.expert_ffn // z.t, config.num_experts
+    g, f = f"{sums.stem}/experts", config.expert_ffn // z.t
     r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
     tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
@@ -535,9 +535,9 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     # under tp the plan's hook made the weights local (to_local) as the experts began: autograd runs those last, the
     # down_proj's first, each handing its DTensor weight the gradient
     local = [_op("mlp.experts", (), Step("", hands_over=(f"{g}/{proj} dW",))) for proj in ("down", "gate_up")]
-    ran = [combine, unsort, product, down, oss.bias_backward(g, "down", act * experts * h, down_dy),
+    ran = [combine, unsort, product, down, oss.bias_backward(g, "down", z, down_dy),
            *oss.glu_backward(g, act, r, f, f"{g}/down dX"), gate_up,
-           oss.bias_backward(g, "gate_up", act * experts * 2 * f, f"{g}/gate_up dY"), weights, gather] if biased else \
+           oss.bias_backward(g, "gate_up", z, f"{g}/gate_up dY"), weights, gather] if biased else \
         [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
     return ran + local if tp else ran
 

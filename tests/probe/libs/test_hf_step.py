@@ -747,6 +747,14 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
 
 
+def test_starcoder2_without_biases_makes_no_mlp_bias_gradients_and_the_step_is_memtrackers(one_thread):
+    """use_bias false: Starcoder2MLP's c_fc and c_proj are nn.Linear(bias=False), so their backward sums no bias
+    gradient (the walk once gave GPT-2's Conv1D biases to every GELU MLP)."""
+    r = _exact_step(make_config(LLAMA, attention="flash", **(STARCODER2 | {"add_bias_linear": False,
+                                                                             "vocab_size": 40})), "none")
+    assert r.model.startswith("transformers' Starcoder2ForCausalLM")
+
+
 # -- GPT2LMHeadModel: its own walk (memcalc.sizing.timeline.hf_gpt2), forward op by op ---------------------------------
 
 GPT2_STEPS = [
