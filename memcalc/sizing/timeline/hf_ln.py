@@ -1,5 +1,5 @@
-"""transformers' LayerNorm decoder layers on Llama's walk (Starcoder2ForCausalLM): nn.LayerNorm and a GELU MLP with
-biases, GPT-2's ops (memcalc.sizing.timeline.hf_gpt2), beside Llama's attention with biases.
+"""transformers' LayerNorm decoder layers on Llama's walk (Starcoder2ForCausalLM): nn.LayerNorm and a GELU MLP,
+GPT-2's ops (memcalc.sizing.timeline.hf_gpt2), beside Llama's attention; every linear with a bias under use_bias.
 
 What differs from Llama's walk: docs/timeline.md, "transformers' LayerNorm layers".
 """
