@@ -87,3 +87,54 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
         assert ours.moments == theirs.moments
         assert [x.at for x in ours.moments] == [x.at for x in theirs.moments]
         assert ours.moments[-1].log == theirs.moments[-1].log  # every tensor made and freed, in order
+
+
+@pytest.mark.parametrize("changes, device", [
+    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "op"}, "cuda"),
+    ({"pp": 2, "L": 3, "num_microbatches": 3, "recompute": "full", "dtype": "fp32"}, "cpu"),
+    (MOE | {"pp": 2, "L": 4, "moe_layer_freq": 2, "recompute": "none", "moe_shared_expert_intermediate_size": 48},
+     "cuda"),
+])
+def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is_keyed_on(monkeypatch, changes,
+                                                                                          device):
+    """The replay is exact only if a walk changes no tensor outside the stage's `names`: every change its trace logs
+    (a tensor made, freed or renamed) is under one of them."""
+    config = make_config(LLAMA3, **({"pp": 2} | changes))
+    walk, outside = _Schedule._walk, set()
+
+    def walk_anew(self, what, segments, backward=False, before=()):
+        self.walked.clear()  # every micro-batch walked, none replayed
+        done = walk(self, what, segments, backward, before)
+        outside.update({x if isinstance(x, str) else x.name for x in done.trace.log} - set(self.names))
+        return done
+    monkeypatch.setattr(_Schedule, "_walk", walk_anew)
+    timelines(config, STRATEGIES["none"], Accounting(exact=True, device=device))
+    assert not outside
+
+
+def test_the_replay_is_keyed_on_the_tensors_found_so_a_walk_finding_others_is_walked_anew(monkeypatch):
+    """A micro-batch whose walk finds other tensors under the stage's names than an earlier one's did is walked, not
+    replayed (the moments would be the same here: what matters is that it is traced anew)."""
+    config = make_config(LLAMA3, pp=2, L=2, num_microbatches=3)
+    accounting = Accounting(exact=True, device="cpu")
+    forward, keys = _Schedule.forward, []
+
+    def forward_beside_a_stranger(self, j):
+        if j == 1:  # a tensor under one of the stage's names (its backward's), live through micro-batch 1's forward
+            self.parts.tape.add(self.sent, ACTIVATIONS, 7, "a stranger")
+        forward(self, j)
+        self.parts.tape.drop(self.sent)
+        keys.append(len(self.walked))
+    monkeypatch.setattr(_Schedule, "forward", forward_beside_a_stranger)
+    replayed = timelines(config, STRATEGIES["none"], accounting)
+    assert keys[0] < keys[1]  # micro-batch 1's forward was traced anew, not replayed from micro-batch 0's
+
+    walk = _Schedule._walk
+
+    def walk_anew(self, what, segments, backward=False, before=()):
+        self.walked.clear()
+        return walk(self, what, segments, backward, before)
+    monkeypatch.setattr(_Schedule, "_walk", walk_anew)
+    walked = timelines(config, STRATEGIES["none"], accounting)
+    for ours, theirs in zip(replayed, walked, strict=True):
+        assert ours.moments == theirs.moments

@@ -377,13 +377,13 @@ def _all_gather(buffer: str, out: Made, z: Sizes, what: str, frees: tuple[str, .
 
 
 def _reduce_scattered(name: str, z: Sizes, what: str, out: Made, frees: tuple[str, ...],
-                      label: str = "the reduce-scatter's output") -> tuple[Step, ...]:
-    """SP's reduce-scatter along s of `what` into this rank's shard (`out`, made at `label`), then `frees` go. Its
-    input is first made (s, b, h)-contiguous (`name`): a copy, but at b = 1, where the permuted view is (on DTensor a
-    copy always: its reduce-scatter along s concatenates the chunks)."""
+                      label: str = "the reduce-scatter's output", then: tuple[str, ...] = ()) -> tuple[Step, ...]:
+    """SP's reduce-scatter along s of `what` into this rank's shard (`out`, made at `label`), then `frees` go, the
+    copy, and `then` (the module's own locals). Its input is first made (s, b, h)-contiguous (`name`): a copy, but at
+    b = 1, where the permuted view is (on DTensor a copy always: its reduce-scatter along s concatenates the chunks)."""
     copy = () if z.b == 1 and not z.dtensor else (
         Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
-    return (*copy, Step(label, (out,), frees=(*frees, name)))
+    return (*copy, Step(label, (out,), frees=(*frees, name, *then)))
 
 
 def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
@@ -409,7 +409,7 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
     if not z.sp:
         return ()
     return (Op(where, forward=_reduce_scattered(f"{p}/{where} s-first", z, "the partial sum", Made(
-        out, z.seq(z.h), "this rank's shard, summed"), (partial, *frees)),
+        out, z.seq(z.h), "this rank's shard, summed"), (partial,), then=frees),
                backward=_gathered_dy(f"grad/{p}/{where}", z, gathered)),)
 
 

@@ -75,7 +75,7 @@ class _Schedule:
     forwards: dict[int, tuple[_Walked, _Walked]] = field(default_factory=dict)  # micro-batch -> its chunk's and loss's
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
-    walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by what they found (`_walk`)
+    walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by `_walk`'s key
 
     def __post_init__(self) -> None:
         parts, layers = self.parts, stage_layers(self.parts.config, self.stage)  # the layers the stage's chunk holds
@@ -87,6 +87,9 @@ class _Schedule:
         self.flex = [parts.ends(None, "", (Op("", forward=flex_inputs(parts.z), backward=()),))]
         self.chunk, self.loss = parts.chunk(self.stage, layers, pipelined=True)
         self.names = tuple(set().union(*(x.walk.names(x.ops) for x in (*self.flex, *self.chunk, *self.loss))))
+        # a weight's gradient handed over goes to `hand_over`, outside the walk: kept under its own name here, but
+        # FSDP2's renames it to its unit's (`torchtitan._keep_grad`), a name the replay's key does not follow
+        assert parts.config.dp_shard is None, "torchtitan's pipeline is walked without FSDP2 (check_modelled)"
 
     def load(self, j: int) -> None:
         """Micro-batch j's positions and block mask (CUDA's flex attention reads them), made: live all step."""
@@ -98,7 +101,7 @@ class _Schedule:
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
             tape.drop(apart(self.latest, self.output))
         self.latest = j
-        loss = self._walk(("loss", id(chunk)), self.loss, before=(chunk,))
+        loss = self._walk(("loss", chunk), self.loss, before=(chunk,))
         self.forwards[j], self.made[j] = (chunk, loss), loss.made
         tape.rename_all({x: apart(j, x) for x in self.made[j]})
 
@@ -107,7 +110,7 @@ class _Schedule:
         # but the output, which its backward's rerun (under a checkpoint) makes again
         tape.rename_all({apart(j, x): x for x in self.made.pop(j) if x != self.output})
         chunk, loss = self.forwards.pop(j)
-        self._walk(("backward", id(loss)), [*chunk.segments, *loss.segments], backward=True)
+        self._walk(("backward", loss), [*chunk.segments, *loss.segments], backward=True)
         self.done.add(j)
         if self.latest != j:
             tape.drop(apart(j, self.output))
@@ -125,7 +128,7 @@ class _Schedule:
         walked and traced; a forward also says what it left live, with the walks of the same forward `before` it."""
         tape = self.parts.tape
         found = tuple(filter(None, map(tape.live.get, self.names)))  # the tensors under them (a Live names itself)
-        key = (*what, found)
+        key = (*what, found)  # the walk's kind, the walk it follows (a _Walked, by identity), the tensors found
         done = self.walked.get(key)
         if done is not None:
             tape.replay(done.trace)
@@ -138,7 +141,8 @@ class _Schedule:
         self.walked[key] = done = _Walked(found, tape.traced(walk))
         if not backward:  # the walks' state, from which a micro-batch's backward walks
             done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
-            done.made = made((*before, done)[0].found, *(x.trace for x in (*before, done)))
+            first = before[0] if before else done  # the forward's first walk: what was live before it
+            done.made = made(first.found, *(x.trace for x in (*before, done)))
         return done
 
     def end(self) -> None:
