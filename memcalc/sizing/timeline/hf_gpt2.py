@@ -13,7 +13,6 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.params import layer_elements
 from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
@@ -58,7 +57,7 @@ def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, z: Sizes
     bias's gradients sized by the inventory, which says whether there is a bias (StarCoder 2's nn.Linear has one only
     with use_bias). `reduced`: a colwise nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
     m = INVENTORY.get(where, where)
-    bias = z.weight(f"{m}.bias") if f"{m}.bias" in layer_elements(z.config, z.t) else 0
+    bias = z.weight(m, bias=True)
     op = linear(where, x, None, z.weight(m), dx, z.full(inputs), p, frees, bias=bias, reduced=reduced)
     return replace(op, forward=(gemm,))
 

@@ -4,7 +4,6 @@ row- and column-parallel linears' backward, a norm's, an MLP's activation's, and
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -12,8 +11,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import Dim, SavedTensor
-from memcalc.sizing.params import layer_elements, part
-from memcalc.sizing.timeline.tape import Sizes, prod
+from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
@@ -36,16 +34,7 @@ def weight(z: Sizes, where: str, bias: bool = False) -> int:
     one of the E/ep the inventory lists as one."""
     module = _CORE_NAMES.get(where, where).removesuffix(".norm")  # MLA's latent norms: the probe's inside the spec
     path = f"self_{module}" if module.startswith("attention.") else module
-    elements = _elements(z.config, z.t)
-    n = elements.get(f"{path}.bias", 0) if bias else elements[path]
-    return z.act * n // (z.config.num_experts // z.config.ep if "*" in path else 1)
-
-
-@functools.lru_cache(maxsize=64)
-def _elements(config: ModelConfig, t: int) -> dict[str, int]:
-    """Each parameter of a layer (by its path below the layer's) and of the output's end: its elements on a rank of
-    t."""
-    return layer_elements(config, t) | {p.module: prod(p.shape) for p in part(config, t, "last")}
+    return z.weight(path, bias=bias) // (z.config.num_experts // z.config.ep if "*" in path else 1)
 
 
 def backward_only(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:

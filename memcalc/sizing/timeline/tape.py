@@ -18,7 +18,7 @@ from typing import NamedTuple
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.params import layer_elements, vocab_shard
+from memcalc.sizing.params import layer_elements, part, vocab_shard
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
@@ -129,11 +129,13 @@ class Sizes:
             positions=config.positions if config.position_embedding_type == "learned_absolute" else 0, config=config,
         )
 
-    def weight(self, module: str, width: int = 0) -> int:
-        """Bytes of the layer's parameter `module` (its path below the layer's; a bias `module.bias`) on this rank in
-        the activation dtype (or `width` bytes a value: DeepSeek's fp32 router GEMM), shaped as the implementation's
-        inventory: its gradient's, as the GEMM makes it."""
-        return (width or self.act) * layer_elements(self.config, self.t)[module]
+    def weight(self, module: str, width: int = 0, bias: bool = False) -> int:
+        """Bytes of the parameter `module` (its path below the layer's, or the output end's; a bias `module.bias`) on
+        this rank in the activation dtype (or `width` bytes a value: DeepSeek's fp32 router GEMM), shaped as the
+        implementation's inventory: its gradient's, as the GEMM makes it. `bias`: the bias of `module`, 0 where it
+        has none (the inventory says which modules have one)."""
+        elements = _elements(self.config, self.t)
+        return (width or self.act) * (elements.get(f"{module}.bias", 0) if bias else elements[module])
 
     def seq(self, width: int) -> int:
         """Bytes of an activation-dtype (s, b, width) tensor outside the pair: (s/t, b, width) under SP."""
@@ -147,6 +149,13 @@ class Sizes:
         """Bytes of one `width`-byte value per token of the micro-batch, (b, s)."""
         return width * self.b * self.s
 
+
+
+@functools.lru_cache(maxsize=64)
+def _elements(config: ModelConfig, t: int) -> dict[str, int]:
+    """Each parameter of a layer (by its path below the layer's) and of the output's end: its elements on a rank of
+    t (`Sizes.weight`)."""
+    return layer_elements(config, t) | {p.module: prod(p.shape) for p in part(config, t, "last")}
 
 class _Live(dict):
     """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
