@@ -201,12 +201,13 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     """A decoder layer's parameters in registration order, as this rank of t holds them (transformers' tp_plan: q, k,
     v, gate, up colwise, o and down rowwise, the norms whole): its attention (latent attention in
     DeepseekV3DecoderLayer), its MLP (a sparse block's experts), then its norms (one with single_norm, four with
-    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none); GPT-NeoX's and GPT-J's norms
-    first, GPT-2's and BLOOM's each before its sublayer. GPT-2's Conv1D keeps each weight as (in, out)."""
+    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none; GLM-4's in forward order, though it
+    registers its third before its second, all (h,)); GPT-NeoX's and GPT-J's norms first, GPT-2's and BLOOM's each
+    before its sublayer. GPT-2's Conv1D keeps each weight as (in, out)."""
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
     mlp = _hf_moe(c, t, f"{m}.mlp") if moe else _mlp(c, t, f"{m}.mlp")
-    names = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
-        "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
+    places = norm_names(c)
+    names = places[:1] if c.single_norm else places[1::2] if c.post_norm else tuple(n for n in places if n)
     norms = tuple(x for n in names for x in _norm(c, f"{m}.{n}"))
     if rules.is_neox(c) or rules.is_gptj(c):
         return (*norms, *attention, *mlp)
@@ -216,7 +217,18 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     return tuple(p._replace(shape=p.shape[::-1]) if len(p.shape) == 2 and not c.alibi else p for p in params)
 
 
-_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
+# Llama's two, Gemma 2's (and 3's) four, OLMo 2's post-norms (Gemma 2's second and fourth), GLM-4's four
+NORM_NAMES = {"llama": ("input_layernorm", "", "post_attention_layernorm", ""),
+              "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"),
+              "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
+
+
+def norm_names(c: ModelConfig) -> tuple[str, str, str, str]:
+    """A transformers layer's norms' module names in their four places (`NORM_NAMES`, "" where it has none): its
+    family's, or Llama's or Gemma 2's places (one norm, single_norm: the first)."""
+    return NORM_NAMES.get(layer_family(c).name, NORM_NAMES["gemma2" if c.sandwich_norm or c.post_norm else "llama"])
 
 
 def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
