@@ -74,6 +74,20 @@ class Param(NamedTuple):
 PARTS = ("first", "dense", "moe", "last")  # with the embedding, a dense layer, a MoE layer, with the output layer
 
 
+class Ends(NamedTuple):
+    """An implementation's modules at the model's two ends, by their paths in the inventory (`part`)."""
+
+    word: str  # the word table
+    position: str | None  # the learned position table (None: the implementation has none)
+    norm: str  # the final norm
+    head: str  # the output layer (tied with one stage: no parameter of its own, the word table's)
+
+
+def end_modules(c: ModelConfig) -> Ends:
+    """The modules at the two ends of `c`'s implementation (the paper's model: megatron-core's)."""
+    return _PARTS.get(c.impl, _PARTS["megatron"])[2]
+
+
 def padded_vocab(config: ModelConfig, t: int) -> int:
     """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of make_vocab_size_divisible_by
     * t (GEMM tiles); the padded rows are real weights, gradients and logits. Other libraries train v as it is."""
@@ -102,7 +116,7 @@ def etp(c: ModelConfig, t: int) -> int:
 def part(c: ModelConfig, t: int, which: str) -> tuple[Param, ...]:
     """One of the model's `PARTS` on a rank of t, as its implementation registers it (the paper's model as
     megatron-core's); a layer's under layer 0's path."""
-    layer, path, word, position, norm, head = _PARTS.get(c.impl, _PARTS["megatron"])
+    layer, path, (word, position, norm, head) = _PARTS.get(c.impl, _PARTS["megatron"])
     if which in ("dense", "moe"):
         return layer(c, t, path, which == "moe")
     rows = vocab_shard(c, t)
@@ -329,7 +343,10 @@ def _torchtitan_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
 # Each implementation's layer, its path, and its ends' modules: the word and position tables, the final norm, the
 # output layer (megatron's for the paper's model). transformers' embed_tokens: v/t rows under tp (rank 0 of an uneven
 # DTensor holds the most); torchtitan's tied lm_head is tok_embeddings' weight (it refuses tied embeddings with pp).
-_PARTS = {"megatron": (megatron_layer_params, "decoder.layers.0", "embedding.word_embeddings",
-                       "embedding.position_embeddings", "decoder.final_layernorm", "output_layer"),
-          "hf": (hf_layer_params, "model.layers.0", "model.embed_tokens", "model.wpe", "model.norm", "lm_head"),
-          "torchtitan": (torchtitan_layer_params, "layers.0", "tok_embeddings", None, "norm", "lm_head")}
+_PARTS = {
+    "megatron": (megatron_layer_params, "decoder.layers.0", Ends("embedding.word_embeddings",
+                                                                "embedding.position_embeddings",
+                                                                "decoder.final_layernorm", "output_layer")),
+    "hf": (hf_layer_params, "model.layers.0", Ends("model.embed_tokens", "model.wpe", "model.norm", "lm_head")),
+    "torchtitan": (torchtitan_layer_params, "layers.0", Ends("tok_embeddings", None, "norm", "lm_head")),
+}

@@ -450,9 +450,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
             () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
-            config.norm if config.qk_layernorm else "",
-            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
-            config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
+            config.norm if config.qk_layernorm else "", config.has_dropout, rules.scores_capped(config), attn_out,
+            config.fused_qkv, f"attn {proj}", into[0], rope, config.attention_sinks),
             p, z, config)),
         *post_attn,
         *((mid,) if checkpointed else ()),
@@ -559,7 +558,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     if rows:
         out += (Step("this rank's rows of the embedding's gradient", (
             Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
-            Made("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the weight's"
+            Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the weight's"
                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
             frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
@@ -599,7 +598,7 @@ def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     local = z.act * z.b * z.s * z.v_t
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
-    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",
+    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.weight(z.ends.head), "grad/lm_head input", z.full(z.h), "",
                   ("grad/lm_head local logits" if tp else "grad/logits",), reduced=tp,
                   dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
     columns = (Step("this rank's columns of the logits' gradient", (Made(
