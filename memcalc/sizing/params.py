@@ -74,6 +74,20 @@ class Param(NamedTuple):
 PARTS = ("first", "dense", "moe", "last")  # with the embedding, a dense layer, a MoE layer, with the output layer
 
 
+class Ends(NamedTuple):
+    """An implementation's modules at the model's two ends, by their paths in the inventory (`part`)."""
+
+    word: str  # the word table
+    position: str | None  # the learned position table (None: the implementation has none)
+    norm: str  # the final norm
+    head: str  # the output layer (tied with one stage: no parameter of its own, the word table's)
+
+
+def end_modules(c: ModelConfig) -> Ends:
+    """The modules at the two ends of `c`'s implementation (the paper's model: megatron-core's)."""
+    return _PARTS.get(c.impl, _PARTS["megatron"])[2]
+
+
 def padded_vocab(config: ModelConfig, t: int) -> int:
     """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of make_vocab_size_divisible_by
     * t (GEMM tiles); the padded rows are real weights, gradients and logits. Other libraries train v as it is."""
@@ -102,7 +116,7 @@ def etp(c: ModelConfig, t: int) -> int:
 def part(c: ModelConfig, t: int, which: str) -> tuple[Param, ...]:
     """One of the model's `PARTS` on a rank of t, as its implementation registers it (the paper's model as
     megatron-core's); a layer's under layer 0's path."""
-    layer, path, word, position, norm, head = _PARTS.get(c.impl, _PARTS["megatron"])
+    layer, path, (word, position, norm, head) = _PARTS.get(c.impl, _PARTS["megatron"])
     if which in ("dense", "moe"):
         return layer(c, t, path, which == "moe")
     rows = vocab_shard(c, t)
@@ -201,12 +215,13 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     """A decoder layer's parameters in registration order, as this rank of t holds them (transformers' tp_plan: q, k,
     v, gate, up colwise, o and down rowwise, the norms whole): its attention (latent attention in
     DeepseekV3DecoderLayer), its MLP (a sparse block's experts), then its norms (one with single_norm, four with
-    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none); GPT-NeoX's and GPT-J's norms
-    first, GPT-2's and BLOOM's each before its sublayer. GPT-2's Conv1D keeps each weight as (in, out)."""
+    sandwich_norm, OLMo 2's post-norms in place of Llama's; OLMo's LayerNorm none; GLM-4's in forward order, though it
+    registers its third before its second, all (h,)); GPT-NeoX's and GPT-J's norms first, GPT-2's and BLOOM's each
+    before its sublayer. GPT-2's Conv1D keeps each weight as (in, out)."""
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else _attention(c, t, f"{m}.self_attn")
     mlp = _hf_moe(c, t, f"{m}.mlp") if moe else _mlp(c, t, f"{m}.mlp")
-    names = ("input_layernorm",) if c.single_norm else _SANDWICH if c.sandwich_norm else (
-        "post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else _SANDWICH[:2]
+    places = norm_names(c)
+    names = places[:1] if c.single_norm else places[1::2] if c.post_norm else tuple(n for n in places if n)
     norms = tuple(x for n in names for x in _norm(c, f"{m}.{n}"))
     if rules.is_neox(c) or rules.is_gptj(c):
         return (*norms, *attention, *mlp)
@@ -216,7 +231,18 @@ def hf_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, .
     return tuple(p._replace(shape=p.shape[::-1]) if len(p.shape) == 2 and not c.alibi else p for p in params)
 
 
-_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
+# Llama's two, Gemma 2's (and 3's) four, OLMo 2's post-norms (Gemma 2's second and fourth), GLM-4's four
+NORM_NAMES = {"llama": ("input_layernorm", "", "post_attention_layernorm", ""),
+              "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"),
+              "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
+
+
+def norm_names(c: ModelConfig) -> tuple[str, str, str, str]:
+    """A transformers layer's norms' module names in their four places (`NORM_NAMES`, "" where it has none): its
+    family's, or Llama's or Gemma 2's places (one norm, single_norm: the first)."""
+    return NORM_NAMES.get(layer_family(c).name, NORM_NAMES["gemma2" if c.sandwich_norm or c.post_norm else "llama"])
 
 
 def _attention(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
@@ -317,7 +343,10 @@ def _torchtitan_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
 # Each implementation's layer, its path, and its ends' modules: the word and position tables, the final norm, the
 # output layer (megatron's for the paper's model). transformers' embed_tokens: v/t rows under tp (rank 0 of an uneven
 # DTensor holds the most); torchtitan's tied lm_head is tok_embeddings' weight (it refuses tied embeddings with pp).
-_PARTS = {"megatron": (megatron_layer_params, "decoder.layers.0", "embedding.word_embeddings",
-                       "embedding.position_embeddings", "decoder.final_layernorm", "output_layer"),
-          "hf": (hf_layer_params, "model.layers.0", "model.embed_tokens", "model.wpe", "model.norm", "lm_head"),
-          "torchtitan": (torchtitan_layer_params, "layers.0", "tok_embeddings", None, "norm", "lm_head")}
+_PARTS = {
+    "megatron": (megatron_layer_params, "decoder.layers.0", Ends("embedding.word_embeddings",
+                                                                "embedding.position_embeddings",
+                                                                "decoder.final_layernorm", "output_layer")),
+    "hf": (hf_layer_params, "model.layers.0", Ends("model.embed_tokens", "model.wpe", "model.norm", "lm_head")),
+    "torchtitan": (torchtitan_layer_params, "layers.0", Ends("tok_embeddings", None, "norm", "lm_head")),
+}

@@ -127,14 +127,14 @@ class Ends:
             backward.append(Step("the position table's gradient", (
                 Made("grad/positions (s, h)", z.act * z.s * z.h, "the positions were added to every sequence of the"
                      " batch: their gradient is summed over b"),
-                Made("grad/position table", z.act * z.positions * z.h, "the position table's bf16 gradient")),
+                Made("grad/position table", z.weight(z.ends.position), "the position table's bf16 gradient")),
                 frees=(POSITION_IDS.name, "grad/positions (s, h)", "grad/position table")))
         if tp:
             backward.append(Step("the vocabulary mask", (Made("grad/embedding masked", z.full(z.h), "rows outside"
                                                               " this rank's vocabulary get no gradient: dY masked, a"
                                                               " new tensor"),), frees=(VOCAB_MASK.name, grad)))
             grad = "grad/embedding masked"
-        table = z.act * z.v_t * z.h
+        table = z.weight(z.ends.word)
         backward.append(Step("the embedding's gradient", (Made("grad/embedding (lookup)", table, "the embedding's bf16"
                                                                " gradient, dY added into the rows the ids picked"),),
                              frees=(grad, *((ledger.EMBEDDING_INPUT_IDS.name,) if tp else ()))))
@@ -149,7 +149,7 @@ class Ends:
         z, norm = self.z, ledger.FINAL_NORM
         logits = z.act * z.s * z.b * z.v_t
         output_layer: list[Op] = []
-        tied = Made("grad/embedding (output layer)", z.act * z.v_t * z.h, "the tied embedding's gradient from the"
+        tied = Made("grad/embedding (output layer)", z.weight(z.ends.head), "the tied embedding's gradient from the"
                     " output layer waits in autograd's input buffer until the embedding's own gradient is added to it")
         # logits.float() copies 16-bit logits; fp32 ones are the loss's own, whose saved softmax (changed in place in
         # backward) is the logits' gradient: autograd has no cast to make

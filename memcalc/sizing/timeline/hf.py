@@ -30,7 +30,7 @@ from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline import hf_ln as ln
 from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
-from memcalc.sizing.params import fuses_modules
+from memcalc.sizing.params import fuses_modules, norm_names
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
@@ -405,20 +405,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-# A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
-# Llama's two, Gemma 2's (and 3's) four, OLMo 2's post-norms (Gemma 2's second and fourth), GLM-4's four
-NORM_NAMES = {"llama": ("input_layernorm", "", "post_attention_layernorm", ""),
-              "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                         "post_feedforward_layernorm"),
-              "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
-
-
-def _norm_names(config: ModelConfig) -> tuple[str, str, str, str]:
-    """The layer's norms' module names (`NORM_NAMES`): its family's, or Llama's or Gemma 2's places."""
-    return NORM_NAMES.get(layer_family(config).name,
-                          NORM_NAMES["gemma2" if config.sandwich_norm or config.post_norm else "llama"])
-
-
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
@@ -440,7 +426,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
                        x=f"{p}/{branch} output")
-        for name, norm, dx, branch in zip(_norm_names(config)[1::2],
+        for name, norm, dx, branch in zip(norm_names(config)[1::2],
                                           rules.POST_NORMS[config.norm], (attn_out, mlp_out), ("attn", "mlp"))
     ) if sandwich else (
         (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
@@ -452,7 +438,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     proj = "proj" if resid or inner else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     into = ((f"grad/{p}/mid", out), (f"grad/{p}/output", f"grad/{p}/mid")) if config.post_norm else (("", ""),) * 2
-    names = _norm_names(config)
+    names = norm_names(config)
     ln1, ln2 = (layer.unnormed(ledger.QKV_IN, f"{p}/input"), layer.unnormed(ledger.FC1_IN, f"{p}/mid")) \
         if config.post_norm else (
         norm_ops(names[0], p, _norms(config)[0], z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
@@ -464,9 +450,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
             () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
-            config.norm if config.qk_layernorm else "",
-            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
-            config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
+            config.norm if config.qk_layernorm else "", config.has_dropout, rules.scores_capped(config), attn_out,
+            config.fused_qkv, f"attn {proj}", into[0], rope, config.attention_sinks),
             p, z, config)),
         *post_attn,
         *((mid,) if checkpointed else ()),
@@ -573,7 +558,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     if rows:
         out += (Step("this rank's rows of the embedding's gradient", (
             Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
-            Made("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the weight's"
+            Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the weight's"
                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
             frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
@@ -613,7 +598,7 @@ def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     local = z.act * z.b * z.s * z.v_t
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
-    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",
+    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.weight(z.ends.head), "grad/lm_head input", z.full(z.h), "",
                   ("grad/lm_head local logits" if tp else "grad/logits",), reduced=tp,
                   dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
     columns = (Step("this rank's columns of the logits' gradient", (Made(

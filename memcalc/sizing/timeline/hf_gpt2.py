@@ -23,31 +23,31 @@ WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node 
 MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_mask")
 FIRST_GRAD = "grad/embedding dropout output"  # the first block's input gradient, where the embedding drops out
 QKV = (ledger.Q, ledger.K, ledger.V)
+# GPT-2's attention modules and norms by their names in the per-parameter inventory (memcalc.sizing.params), which
+# names them as Llama's; the MLP's are its own
+INVENTORY = {"attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj", "ln_1": "input_layernorm",
+             "ln_2": "post_attention_layernorm", "transformer.ln_f": "model.norm"}
 
 
 def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
                residual: str | None = None, gone: tuple[str, ...] = ()) -> Op:
     """nn.LayerNorm, one kernel each way. Forward: its output and each token's mean and rstd (its input, which it
-    keeps too, is whoever made it); `gone`: what goes as it returns. Backward: dX, dweight and dbias beside dY, which
-    then goes; with a `residual`, dX and the stream's gradient summed into `out` after the node returned (its saved
-    tensors gone), the weights' gradients handed over after that. F.layer_norm returns the output alone: under a
-    checkpoint the mean and rstd go at once."""
-    g = "/".join(x for x in ("grad", p, where) if x)
+    keeps too, is whoever made it); `gone`: what goes as it returns. Backward: dX, dweight and dbias (as the inventory
+    holds them) beside dY, which then goes; with a `residual`, dX and the stream's gradient summed into `out` after
+    the node returned (its saved tensors gone), the weights' gradients handed over after that. F.layer_norm returns
+    the output alone: under a checkpoint the mean and rstd go at once."""
+    g, m = "/".join(x for x in ("grad", p, where) if x), INVENTORY.get(where, where)
     dw, db, dx = f"{g} weight", f"{g} bias", f"{g}/dx" if residual else out
     kernel = Step("native_layer_norm_backward: dX, dweight, dbias", (
-        Made(dx, z.full(z.h), "the norm's dX"), Made(dw, z.act * z.h, WHY_NORM_GRADS),
-        Made(db, z.act * z.h, WHY_NORM_GRADS)), frees=(dy,), hands_over=() if residual else (dw, db), returns=True)
+        Made(dx, z.full(z.h), "the norm's dX"), Made(dw, z.weight(m), WHY_NORM_GRADS),
+        Made(db, z.weight(m, bias=True), WHY_NORM_GRADS)), frees=(dy,), hands_over=() if residual else (dw, db),
+        returns=True)
     summed = (Step("the residual's sum", (Made(out, z.full(z.h), "the residual stream's gradient: the norm's dX and"
                                                " the residual's summed"),), frees=(dx, residual), hands_over=(dw, db)),
               ) if residual else ()
     return Op(where, (Step("native_layer_norm: output, mean, rstd", (output, kept(p, norm.mean), kept(p, norm.rstd)),
                            frees=gone, reads_last=kept_names(p, norm.mean, norm.rstd)),), (kernel, *summed),
               saves=tuple(norm))
-
-
-# GPT-2's attention modules by their names in the per-parameter inventory (memcalc.sizing.params), which names them
-# as Llama's; the MLP's are its own
-INVENTORY = {"attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj"}
 
 
 def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, z: Sizes, dx: str,
@@ -301,7 +301,7 @@ def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) 
                  moment=False)), ()),
         Op("transformer.wpe", (Step("the position lookup", (Made(MODEL_LOCALS[1], positions, "wpe's (1, s, h) rows,"
                                                                  " live until GPT2Model returns"),)),), (
-            Step("the position table's gradient", (Made("grad/wpe weight", z.act * z.positions * z.h, WHY_WGRAD),),
+            Step("the position table's gradient", (Made("grad/wpe weight", z.weight(z.ends.position), WHY_WGRAD),),
                  frees=((summed,) if z.b > 1 else ()) + ("model/position_ids",), hands_over=("grad/wpe weight",)),)),
         _shadowed(add, "transformer.drop", config),
         *((dropout("transformer.drop", "", ledger.EMBEDDING_DROPOUT_MASK, first, "grad/embedding output",

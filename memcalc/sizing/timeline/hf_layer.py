@@ -73,7 +73,7 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
     ), saves=(norm.rstd,))
     if norm.normed_fp32:
-        return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
+        return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32))
     weight = Op(where, forward=(), backward=(
         # a moment in fp32: under a checkpoint y (the rerun's) is still live here, gone at the sum below, and with
         # dY and both products this can be the step's peak (Phi-3's post_attention_layernorm at b=3 s=3 h=4: measured)
@@ -83,7 +83,7 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
         # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
         # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
         # dY, the node's input, goes before AccumulateGrad takes the weight's gradient (ZeRO's hook reads it there)
-        Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
+        Step("weight * y's backward", (Made(f"{g}/dweight", z.weight(where), WHY_WGRAD),),
              frees=(f"{g}/dY y", *((dy,) if dy else ())), hands_over=(f"{g}/dweight",), reduced=True,
              moment=act == fp32),
     ), saves=(norm.normed,))
@@ -160,8 +160,7 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
     )
 
 
-def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
-                  ) -> tuple[Op, Op]:
+def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int) -> tuple[Op, Op]:
     """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)
     (in fp32 a no-op: the product's backward reads dY itself). Olmo2RMSNorm's weight * (x * r) keeps the fp32 factor
     alone, its weight's gradient cast to the weight's dtype as autograd validates the node's outputs."""
@@ -172,10 +171,10 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
             Made(f"{g}/dw+1 full", fp32, "dY * (x * r), fp32"),
             Made(f"{g}/dy fp32", fp32, "dY * (1 + w): the normalised input's gradient, fp32")), returns=True),
         Step("(1 + w)'s gradient summed over the tokens (dY in fp32 still live)",
-             (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),),
+             (Made(f"{g}/dw+1", z.weight(where, 4), "(h,) fp32"),),
              frees=(f"{g}/dw+1 full", *((dy_fp32,) if dy_fp32 else ())),
              reduced=True),
-        Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
+        Step("weight.float()'s backward", (Made(f"{g}/dweight", z.weight(where), WHY_WGRAD),),
              frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), reduced=not norm.weight_plus_one, moment=False),
     ), saves=tuple(x for x in (norm.weight_plus_one, norm.normed_fp32) if x))
     up = Op(where, forward=(), backward=(
@@ -328,19 +327,18 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: tuple[str, ...],
-              qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              into: tuple[str, str] = ("", ""), rope_ops: RopeOps | None = None, o_bias: bool = False,
-              sinks: bool = False) -> tuple[Op, ...]:
+              qk_norm: str = "", dropout: bool = False, softcap: bool = False, dy: str | None = None,
+              fused: bool = False, made_as: str = "attn output", into: tuple[str, str] = ("", ""),
+              rope_ops: RopeOps | None = None, sinks: bool = False) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
-    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`, or the
-    `rope_ops` builder: the fp32 RoPE of OLMo, OLMo 2 and Cohere, hf_olmo.rope; `first`, the model's tables the layer
-    is the first to read, gone in its backward), the core
-    (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy` its output's gradient; None: the residual
-    stream's, which lives on; `made_as` its output's name; `o_bias`: StarCoder 2's bias); the heads go as the module
-    returns. `into`: the input's gradient autograd holds already (OLMo 2's unnormed residual stream's, Cohere's
-    parallel MLP's), which q's, k's and v's dX join as they come, and the name of the sum ("": the norm's dY).
-    `sinks`: gpt-oss's attention (memcalc.sizing.timeline.hf_gpt_oss: its RoPE on halves, its core with the sinks)."""
+    the whole projection; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`, or the `rope_ops` builder: the fp32 RoPE
+    of OLMo, OLMo 2 and Cohere, hf_olmo.rope; `first`, the model's tables the layer is the first to read, gone in its
+    backward), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy` its output's gradient;
+    None: the residual stream's, which lives on; `made_as` its output's name); the heads go as the module returns.
+    The projections' biases' gradients (Qwen2's q, k, v; StarCoder 2's) where the inventory has biases. `into`: the
+    input's gradient autograd holds already (OLMo 2's unnormed residual stream's, Cohere's parallel MLP's), which
+    q's, k's and v's dX join as they come, and the name of the sum ("": the norm's dY). `sinks`: gpt-oss's attention
+    (memcalc.sizing.timeline.hf_gpt_oss: its RoPE on halves, its core with the sinks)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -367,7 +365,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         out = (into[1] or f"{g}/ln1 output") if name == "q" else f"{dx} + {summed}"
         m = f"self_attn.{name}_proj"
         lin = linear(m, ledger.QKV_IN, projected, z.weight(m), dx, full, p, (tokens,), sums=(summed, out, full)
-                     if summed else None, reduced=tp, bias=z.weight(f"{m}.bias") if qkv_bias else 0)
+                     if summed else None, reduced=tp, bias=z.weight(m, bias=True))
         ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
@@ -387,7 +385,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.weight("self_attn.o_proj"),
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (),
-                    bias=z.weight("self_attn.o_proj.bias") if o_bias else 0)
+                    bias=z.weight("self_attn.o_proj", bias=True))
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(rowwise(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                                    frees=tuple(x.name for x in gone if x.keeps is None),

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.params import layer_elements, part, vocab_shard
+from memcalc.sizing.params import Ends, end_modules, layer_elements, part, vocab_shard
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
@@ -132,12 +132,17 @@ class Sizes:
         )
 
     def weight(self, module: str, width: int = 0, bias: bool = False) -> int:
-        """Bytes of the parameter `module` (its path below the layer's, or the output end's; a bias `module.bias`) on
-        this rank in the activation dtype (or `width` bytes a value: DeepSeek's fp32 router GEMM), shaped as the
-        implementation's inventory: its gradient's, as the GEMM makes it. `bias`: the bias of `module`, 0 where it
-        has none (the inventory says which modules have one)."""
+        """Bytes of the parameter `module` (its path below the layer's, or at the model's ends, `ends`; a bias
+        `module.bias`) on this rank in the activation dtype (or `width` bytes a value: DeepSeek's fp32 router GEMM, a
+        norm's fp32 gradient), shaped as the implementation's inventory: its gradient's, as the op makes it. `bias`:
+        the bias of `module`, 0 where it has none (the inventory says which modules have one)."""
         elements = _elements(self.config, self.t)
         return (width or self.act) * (elements.get(f"{module}.bias", 0) if bias else elements[module])
+
+    @property
+    def ends(self) -> Ends:
+        """The modules at the model's two ends, by their paths in the inventory (`weight` reads them)."""
+        return end_modules(self.config)
 
     def seq(self, width: int) -> int:
         """Bytes of an activation-dtype (s, b, width) tensor outside the pair: (s/t, b, width) under SP."""
@@ -152,12 +157,15 @@ class Sizes:
         return width * self.b * self.s
 
 
-
 @functools.lru_cache(maxsize=64)
 def _elements(config: ModelConfig, t: int) -> dict[str, int]:
-    """Each parameter of a layer (by its path below the layer's) and of the output's end: its elements on a rank of
-    t (`Sizes.weight`)."""
-    return layer_elements(config, t) | {p.module: prod(p.shape) for p in part(config, t, "last")}
+    """Each parameter of a layer (by its path below the layer's) and of the model's two ends: its elements on a rank
+    of t (`Sizes.weight`). An output layer tied to the embedding on its stage has no weight of its own: the word
+    table is its weight."""
+    modules = end_modules(config)
+    ends = {p.module: prod(p.shape) for which in ("first", "last") for p in part(config, t, which)}
+    return {modules.head: ends[modules.word]} | layer_elements(config, t) | ends
+
 
 class _Live(dict):
     """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a

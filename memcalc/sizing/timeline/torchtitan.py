@@ -297,7 +297,7 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
     g = f"grad/{n}"
     # in fp32 dY is the output's gradient itself, the summed product the weight's gradient, and x's summed gradients dX
     dy, dw = (f"{g}/dy", f"{g}/dw fp32") if cast else (grad, f"{g}/dweight")
-    weight_grad = (Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, WHY_WGRAD),),
+    weight_grad = (Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.weight(where), WHY_WGRAD),),
                         frees=(dy, dw, normed), hands_over=(f"{g}/dweight",)),) if cast else (
         Step("", frees=(dy, normed), hands_over=(dw,)),)
     backward = (
@@ -306,7 +306,8 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
         Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
         Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),),
              reads_last=(normed,)),
-        Step("summed over tokens", (Made(dw, 4 * z.h, "the weight's fp32 gradient"),), frees=(f"{g}/dw full",)),
+        Step("summed over tokens", (Made(dw, z.weight(where, 4), "the weight's fp32 gradient"),),
+             frees=(f"{g}/dw full",)),
         *weight_grad,
         Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
         Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
@@ -345,7 +346,7 @@ def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, 
         Step("_fused_rms_norm: the output and rstd", (out, kept(p, tensors.rstd)), reads_last=(rstd,)),
     ), backward=(
         Step("_fused_rms_norm_backward: dX and the weight's gradient", (
-            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.act * z.h, WHY_WGRAD)),
+            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.weight(where), WHY_WGRAD)),
             frees=(grad, x), hands_over=(dweight,)),
     ), saves=(tensors.rstd,))
 
@@ -643,7 +644,7 @@ def embedding_ops(z: Sizes, tied: bool = False) -> tuple[Op, ...]:
 def _table_gradient(z: Sizes, frees: tuple[str, ...], tied: bool) -> tuple[Step, ...]:
     """tok_embeddings' backward: dY added into the rows the ids picked (this rank's, under tp), then `frees`;
     handed over, or `tied` first summed with lm_head's, which waited in autograd's input buffer."""
-    table = z.act * z.v_t * z.h
+    table = z.weight(z.ends.word)
     made = Step("the embedding's gradient", (Made("grad/embedding", table, WHY_WGRAD),), frees=frees,
                 hands_over=() if tied else ("grad/embedding",))
     if not tied:
@@ -738,7 +739,7 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
                 frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
-               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
+               z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
                dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),
         loss,
     )
