@@ -102,7 +102,8 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, strategy: S
     schedule torchtitan builds, memcalc's trainer around it, stepped once."""
     check_route(config, route)
     pp, dtype = config.pp, DTYPES[config.dtype]
-    rank = group.rank if dims is None else dims.get_mesh("pp").get_local_rank()
+    mesh = None if dims is None else dims.get_mesh("pp")  # the pipeline's ranks (at t = 1 the whole group)
+    rank = group.rank if mesh is None else mesh.get_local_rank()
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)
     with torch.device("meta"), set_default_dtype(dtype):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size,
@@ -119,10 +120,9 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, strategy: S
     chunk.train()
     if config.moe:
         shim.route_gates(chunk, route, config.moe_router_topk, config.ep)
-    pipeline = None if dims is None else dims.get_mesh("pp").get_group()
-    sequence = config.s // dims.tp if dims is not None and strategy.sequence_parallel else config.s  # the stream's
+    sequence = config.s // dims.tp if dims is not None and strategy.sequence_parallel else config.s
     stage = PipelineStage(chunk, rank, pp, group.device, *_shapes(config, chunk, rank, sequence),
-                          group=pipeline)
+                          group=None if mesh is None else mesh.get_group())
     m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
