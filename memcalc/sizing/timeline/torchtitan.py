@@ -157,8 +157,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
         # the probe runs a stage on a fake group of pp x t ranks (memcalc.probe.libs.torchtitan_pp), without FSDP2
-        (config.pp > 1 and config.dp_shard is not None, "pp with dp_shard (FSDP2 on each stage's chunk; pp is walked"
-                                                         " at t = 1 and under tp and tp-sp, with experts too)"),
+        (config.pp > 1 and config.dp_shard is not None,
+         "pp with dp_shard (FSDP2 on each stage's chunk: under pp its units stay unsharded after forward, and torch's"
+         " schedule keeps them and their unreduced gradients through every micro-batch's backward, reduce-scattered"
+         " once at the step's end; pp is walked at t = 1 and under tp and tp-sp, with experts too)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]

@@ -150,6 +150,12 @@ TP_MOE_CASES = [
     (TP_MOE | {"ep": 2, "b": 1, "s": 6, "num_experts": 6, "moe_ffn_hidden_size": 16, "L": 4}, "tp-sp", "balanced"),
 ]
 
+# on CUDA's kernels: flex attention past one mask block at b = 1; at ep = 2, b = 3 over three stages
+TP_MOE_CUDA_CASES = [
+    (TP_MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}, "tp-sp", "balanced"),
+    (TP_MOE | {"ep": 2, "b": 3, "s": 6, "pp": 3, "L": 4, "moe_tokens": "worst"}, "tp-sp", "all-to-one"),
+]
+
 
 def _config_t(changes):
     return _config({"t": 2} | changes)
@@ -162,7 +168,7 @@ def _tp_stages(cases, device):
 
 @pytest.mark.parametrize("changes, strategy, route, device, stage", [
     *_tp_stages([(*x, None) for x in TP_CASES], "cpu"), *_tp_stages([(*x, None) for x in TP_CUDA_CASES], "cuda"),
-    *_tp_stages(TP_MOE_CASES, "cpu")], ids=str)
+    *_tp_stages(TP_MOE_CASES, "cpu"), *_tp_stages(TP_MOE_CUDA_CASES, "cuda")], ids=str)
 def test_under_tp_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, strategy, route, device,
                                                                    stage):
     _assert_peak_exact(_config_t(changes), stage, device, route, strategy)
