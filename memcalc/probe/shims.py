@@ -151,6 +151,11 @@ SHIMS: tuple[Shim, ...] = (
          " and sends",
          "a receive on the fake group leaves its buffer as it was: the peers' votes would read 0, and every stage would"
          " infer shapes over P2P, whose received sizes are garbage", Kind.MEASURES, pp_step=True),
+    Shim("torchtitan", "pipelining's _make_tensor_from_meta (--step with pp)",
+         "each receive buffer is made zeroed, so what a stage is sent is zeros",
+         "a receive on the fake group leaves its buffer as it was: garbage makes the weights NaN after the warm-up"
+         " step, and a router's NaN logits route no token as forced (at ep > 1 each rank's counts are bytes)",
+         Kind.MEASURES, pp_step=True),
     # -- transformers 5.24.0 (memcalc.probe.libs.hf_shim, hf.py) --
     Shim("hf", "torch.nn.functional.dropout",
          "dropout runs torch.native_dropout, keeping CUDA's 1-byte mask (CPU F.dropout keeps a mask in the"

@@ -520,6 +520,7 @@ class StepComparison:
     model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
     device: str = "cpu"  # whose kernels: cuda runs the CPU as CUDA runs (torchtitan's shim)
     world: str = ""  # the fake group's world in its factors (t=2, dp_shard*t=2*2=4); "" for one process alone
+    rank: int = 0  # the fake group's rank this process ran as (a pipeline stage's)
 
     @property
     def predicted_moment(self) -> str:
@@ -551,8 +552,8 @@ class StepComparison:
     def how(self) -> str:
         on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.predicted.stage != "only":
-            rank = stage_rank(self.predicted.stage, self.measured.t)
-            return (f"one process as rank {rank} of pp={self.measured.t} (the {self.predicted.stage} pipeline stage)"
+            stage = f"the {self.predicted.stage} pipeline stage" + (", its tp rank 0" if self.world else "")
+            return (f"one process as rank {self.rank} of {self.world or f'pp={self.measured.t}'} ({stage})"
                     f" through torch's fake process group {on}")
         if self.launch is Mode.FAKE:
             return f"one process as rank 0 of {self.world} through torch's fake process group {on}"
@@ -600,10 +601,12 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     trainer = _trainer(config)
     out = []
     for strategy, predicted in planned:
-        if config.pp > 1:  # this process is the stage's rank of pp through the fake group
-            measured = run_fake(trainer, (config, strategy, route, device), config.pp,
-                                rank=stage_rank(predicted.stage, config.pp))
-            out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
+        if config.pp > 1:  # this process is the stage's rank (tp rank 0) of pp x t through the fake group
+            t = config.t if strategy.tensor_parallel else 1
+            rank = stage_rank(predicted.stage, config.pp) * t
+            measured = run_fake(trainer, (config, strategy, route, device), config.pp * t, rank=rank)
+            world = _in_words({"pp": config.pp, "t": t}) if t > 1 else ""
+            out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device, world, rank))
             continue
         world = _fake_world(config, strategy)
         mode = Mode.FAKE if world else Mode.SINGLE

@@ -93,6 +93,20 @@ def test_impl_torchtitan_under_pp_measures_the_first_and_the_last_stage_each_on_
     assert all(x["match"] and x["moment"]["match"] for x in stages.values())
 
 
+def test_impl_torchtitan_under_pp_and_tp_sp_measures_each_stage_as_tp_rank_0_of_its_pp_x_t_world(tmp_path):
+    pytest.importorskip("torchtitan")
+    path = tmp_path / "titan.yaml"
+    path.write_text(STEP_YAML + "impl: torchtitan\npp: 2\nnum_query_groups: 2\nffn_hidden_size: 176\n"
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "tp-sp", "--json")
+    assert run.code == 0, run.err
+    stages = json.loads(run.out)["strategies"]
+    assert [x["how"].split(" through")[0] for x in stages.values()] == [
+        "one process as rank 0 of pp*t=2*2=4 (the first pipeline stage, its tp rank 0)",
+        "one process as rank 2 of pp*t=2*2=4 (the last pipeline stage, its tp rank 0)"]
+    assert all(x["match"] and x["moment"]["match"] for x in stages.values())
+
+
 def test_a_pipeline_stage_of_memcalcs_own_gpt_is_refused_not_compared_with_the_whole_model(tmp_path):
     path = tmp_path / "pp.yaml"
     path.write_text(STEP_YAML.replace("L: 2", "L: 2\npp: 2"))

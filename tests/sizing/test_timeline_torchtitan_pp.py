@@ -16,8 +16,8 @@ from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
 CPU = Accounting(exact=True, device="cpu")
 
 
-def _timeline(stage, **changes):
-    return timeline(make_config(LLAMA3, pp=2, **changes), STRATEGIES["none"], CPU, stage)
+def _timeline(stage, strategy="none", **changes):
+    return timeline(make_config(LLAMA3, **({"pp": 2} | changes)), STRATEGIES[strategy], CPU, stage)
 
 
 def test_1f1b_runs_pp_minus_rank_forwards_then_a_backward_before_each_further_forward():
@@ -25,16 +25,44 @@ def test_1f1b_runs_pp_minus_rank_forwards_then_a_backward_before_each_further_fo
     assert schedule(3, 2, 1) == [(True, 0), (False, 0), (True, 1), (False, 1), (True, 2), (False, 2)]
 
 
+@pytest.mark.parametrize("strategy, split", [("none", 1), ("tp", 1), ("tp-sp", 2)])
 @pytest.mark.parametrize("stage, buffers", [("first", 1), ("rank 1", 2), ("last", 1)])
-def test_between_steps_a_stage_keeps_one_receive_buffer_per_micro_batch_each_way_it_receives(stage, buffers):
-    config = make_config(LLAMA3, pp=3, L=6, num_microbatches=3)
-    steady = timeline(config, STRATEGIES["none"], CPU, stage).steady
-    assert steady.by_category()[ACTIVATIONS] == buffers * 3 * config.b * config.s * config.h * 2
+def test_between_steps_a_stage_keeps_one_receive_buffer_per_micro_batch_each_way_it_receives(stage, buffers,
+                                                                                              strategy, split):
+    """Under tp-sp each is this rank's (b, s/t, h) shard of the stream, which torchtitan's TP plan passes on."""
+    config = make_config(LLAMA3, pp=3, L=6, num_microbatches=3, t=2)
+    steady = timeline(config, STRATEGIES[strategy], CPU, stage).steady
+    assert steady.by_category()[ACTIVATIONS] == buffers * 3 * config.b * config.s * config.h * 2 // split
 
 
-def test_the_last_stage_keeps_each_micro_batchs_loss_to_the_optimizer():
-    live = {x.name for x in _timeline("last", num_microbatches=3).moments[-1].live}
+@pytest.mark.parametrize("strategy", ["none", "tp"])
+def test_the_last_stage_keeps_each_micro_batchs_loss_to_the_optimizer(strategy):
+    live = {x.name for x in _timeline("last", strategy, num_microbatches=3, t=2).moments[-1].live}
     assert {f"micro-batch {j}/loss/value" for j in range(3)} <= live
+
+
+def test_under_tp_the_schedule_keeps_the_logits_and_the_count_the_vocabulary_parallel_loss_would_free():
+    """The schedule's `output` holds its latest forward's logits; the trainer's count of valid tokens is the step's."""
+    moments = _timeline("last", "tp-sp", num_microbatches=3, t=2).moments
+    after_the_loss = next(x for x in moments if x.phase == "forward" and "micro-batch 0/loss/value" in
+                          {y.name for y in x.live})
+    assert {"micro-batch 0/lm_head/logits", "loss/valid tokens"} <= {x.name for x in after_the_loss.live}
+
+
+@pytest.mark.parametrize("stage, received, sent", [("first", False, True), ("rank 1", True, True),
+                                                   ("last", True, False)])
+def test_under_tp_sp_the_stream_keeps_its_receive_buffers_layout_so_no_copy_makes_it_contiguous(stage, received,
+                                                                                               sent):
+    """A received input is batch-first, so no norm copies its fp32 output contiguous; a sent output's gradient is
+    too, so no dY is copied contiguous before its all-gather."""
+    labels = {x.label() for x in _timeline(stage, "tp-sp", pp=3, L=4, t=2).moments}
+    assert any("attention_norm (made contiguous)" in x for x in labels) is not received
+    assert any("(dY made contiguous)" in x for x in labels) is not sent
+
+
+def test_pp_with_dp_shard_is_refused_by_name():
+    with pytest.raises(ConfigError, match="pp with dp_shard"):
+        _timeline("first", "tp-sp", t=2, dp_shard=2)
 
 
 def test_more_walked_layers_than_the_walk_takes_are_refused_counting_every_micro_batch():
@@ -58,18 +86,26 @@ def test_with_pp_4_a_middle_stage_bounds_memory_where_megatrons_first_and_last_w
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
 
 
-@pytest.mark.parametrize("changes, device", [
-    ({"num_microbatches": 5}, "cpu"),
-    ({"pp": 4, "L": 8, "num_microbatches": 6, "recompute": "op"}, "cuda"),
-    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "full", "dtype": "fp32"}, "cpu"),
-    ({"pp": 4, "L": 2, "b": 1, "s": 7, "recompute": "full"}, "cuda"),  # 0, 1, 1, 0 layers
+# under tp and tp-sp too: each stage's chunk on this rank's shards, a stage's stream in its buffers' layout
+TP_MOE = MOE | {"moe_ffn_hidden_size": 32, "t": 2}
+
+
+@pytest.mark.parametrize("changes, device, strategy", [
+    ({"num_microbatches": 5}, "cpu", "none"),
+    ({"pp": 4, "L": 8, "num_microbatches": 6, "recompute": "op"}, "cuda", "none"),
+    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "full", "dtype": "fp32"}, "cpu", "none"),
+    ({"pp": 4, "L": 2, "b": 1, "s": 7, "recompute": "full"}, "cuda", "none"),  # 0, 1, 1, 0 layers
     (MOE | {"pp": 3, "L": 7, "moe_layer_freq": 2, "recompute": "op", "moe_shared_expert_intermediate_size": 48},
-     "cuda"),
+     "cuda", "none"),
+    ({"pp": 3, "L": 6, "num_microbatches": 5, "t": 2}, "cpu", "tp-sp"),
+    ({"pp": 4, "L": 8, "num_microbatches": 6, "recompute": "op", "t": 2}, "cuda", "tp"),
+    (TP_MOE | {"pp": 3, "L": 4, "ep": 2, "recompute": "full", "num_microbatches": 4}, "cpu", "tp-sp"),
 ])
-def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_would(monkeypatch, changes, device):
+def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_would(monkeypatch, changes, device,
+                                                                                     strategy):
     config = make_config(LLAMA3, **({"pp": 2} | changes))
     accounting = Accounting(exact=True, device=device)
-    replayed = timelines(config, STRATEGIES["none"], accounting)
+    replayed = timelines(config, STRATEGIES[strategy], accounting)
     walk, live_before = _Schedule._walk, set()
 
     def walk_anew(self, what, segments, backward=False, before=()):
@@ -82,21 +118,23 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
         assert backward or done.made == [x for x in live if x not in live_before]
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
-    walked = timelines(config, STRATEGIES["none"], accounting)
+    walked = timelines(config, STRATEGIES[strategy], accounting)
     for ours, theirs in zip(replayed, walked, strict=True):
         assert ours.moments == theirs.moments
         assert [x.at for x in ours.moments] == [x.at for x in theirs.moments]
         assert ours.moments[-1].log == theirs.moments[-1].log  # every tensor made and freed, in order
 
 
-@pytest.mark.parametrize("changes, device", [
-    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "op"}, "cuda"),
-    ({"pp": 2, "L": 3, "num_microbatches": 3, "recompute": "full", "dtype": "fp32"}, "cpu"),
+@pytest.mark.parametrize("changes, device, strategy", [
+    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "op"}, "cuda", "none"),
+    ({"pp": 2, "L": 3, "num_microbatches": 3, "recompute": "full", "dtype": "fp32"}, "cpu", "none"),
     (MOE | {"pp": 2, "L": 4, "moe_layer_freq": 2, "recompute": "none", "moe_shared_expert_intermediate_size": 48},
-     "cuda"),
+     "cuda", "none"),
+    ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "op", "t": 2}, "cpu", "tp-sp"),
+    (TP_MOE | {"pp": 2, "L": 4, "moe_shared_expert_intermediate_size": 48}, "cpu", "tp"),
 ])
 def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is_keyed_on(monkeypatch, changes,
-                                                                                          device):
+                                                                                          device, strategy):
     """The replay is exact only if a walk changes no tensor outside the stage's `names`: every change its trace logs
     (a tensor made, freed or renamed) is under one of them."""
     config = make_config(LLAMA3, **({"pp": 2} | changes))
@@ -108,7 +146,7 @@ def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is
         outside.update({x if isinstance(x, str) else x.name for x in done.trace.log} - set(self.names))
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
-    timelines(config, STRATEGIES["none"], Accounting(exact=True, device=device))
+    timelines(config, STRATEGIES[strategy], Accounting(exact=True, device=device))
     assert not outside
 
 

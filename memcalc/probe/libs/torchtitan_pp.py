@@ -8,9 +8,9 @@ _build_pipeline_schedule. How it runs on the fake group, and where it departs fr
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.strategy import Strategy
@@ -34,11 +34,20 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 def measure_torchtitan_pp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
                                        route: str | None = None, device: str = "cpu") -> StepMeasurement:
-    """This rank's pipeline stage of torchtitan's Llama3Model (the group is the pipeline's pp ranks; with experts its
-    routers forced to `route`; on `device` cuda run as CUDA runs it), stepped once, then one step measured under
-    MemTracker."""
-    with shim.pipeline_on_fake_group(), shim.flex_on_cpu() if device == "cuda" else nullcontext():
-        return measure_trainer(warmed_up_stage(group, config, device, route), group, strategy)
+    """This rank's pipeline stage of torchtitan's Llama3Model (the group is the pp x t world, under tp each stage's
+    chunk laid out by its own plan over its TP ranks; with experts its routers forced to `route`; on `device` cuda run
+    as CUDA runs it), stepped once, then one step measured under MemTracker."""
+    with pipeline_runtime(group, config, device) as dims:
+        return measure_trainer(warmed_up_stage(group, config, strategy, dims, device, route), group, strategy)
+
+
+@contextmanager
+def pipeline_runtime(group: TensorParallelGroup, config: ModelConfig, device: str = "cpu") -> Iterator[Any]:
+    """The pipeline's runtime on the fake group (the shim's `pipeline_on_fake_group`), torchtitan's TP runtime over
+    its pp x t mesh (the ParallelDims, None at t = 1), and for `device` cuda its flex attention run on the CPU."""
+    with shim.pipeline_on_fake_group(), titan.tensor_parallel(group, config.ep, config.pp) as dims, \
+            shim.flex_on_cpu() if device == "cuda" else nullcontext():
+        yield dims
 
 
 @dataclass(frozen=True)
@@ -84,28 +93,36 @@ def _step(schedule: Any, args: list | None, kwargs: list[dict], targets: list | 
     schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False, loss_kwargs=loss_kwargs)
 
 
-def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str = "cpu",
-                    route: str | None = None) -> StageTrainer:
-    """Rank `group.rank`'s stage: the chunk pipeline_llm would build there (on the meta device, then its own
-    storage, initialised as torchtitan initialises it; on `device` cuda, inside `flex_on_cpu`, its flex attention and
-    fused norms; with experts each router forced to `route`), its PipelineStage given the shapes it sends and receives,
-    the schedule torchtitan builds, memcalc's trainer around it, stepped once."""
+def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any = None,
+                    device: str = "cpu", route: str | None = None) -> StageTrainer:
+    """This rank's stage (inside `pipeline_runtime`, its `dims`): the chunk pipeline_llm would build there (on the
+    meta device, under tp laid out by its own plan as its parallelize_fn lays out a chunk, then its own storage,
+    initialised as torchtitan initialises it; on `device` cuda its flex attention and fused norms; with experts each
+    router forced to `route`), its PipelineStage on the pipeline's group given the shapes it sends and receives, the
+    schedule torchtitan builds, memcalc's trainer around it, stepped once."""
     check_route(config, route)
-    pp, dtype = group.size, DTYPES[config.dtype]
+    pp, dtype = config.pp, DTYPES[config.dtype]
+    mesh = None if dims is None else dims.get_mesh("pp")  # the pipeline's ranks (at t = 1 the whole group)
+    rank = group.rank if mesh is None else mesh.get_local_rank()
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)
     with torch.device("meta"), set_default_dtype(dtype):
-        model = titan.model_config(config, False, config.L, config.vocab_size, device == "cuda").build()
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size,
+                                   device == "cuda").build()
     names = pipeline_parallel._generate_llm_fqn_per_model_part(
         pp, config.L, parallelism.pipeline_parallel_first_stage_less_layers,
         parallelism.pipeline_parallel_last_stage_less_layers)
-    chunk = pipeline_parallel._split_module(model, names[group.rank])
-    if device == "cuda":  # the chunk's own norms (a deep copy of the model's)
+    chunk = pipeline_parallel._split_module(model, names[rank])
+    if device == "cuda":  # the chunk's own norms (a deep copy of the model's), fused before its plan wraps them
         shim.fused_norms(chunk)
+    if dims is not None:
+        chunk.parallelize(dims)
     initialised(chunk, config, group.device)  # checkpointed as pipeline_llm's parallelize_fn checkpoints a chunk
     chunk.train()
     if config.moe:
-        shim.route_gates(chunk, route, config.moe_router_topk)
-    stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
+        shim.route_gates(chunk, route, config.moe_router_topk, config.ep)
+    sequence = config.s // dims.tp if dims is not None and strategy.sequence_parallel else config.s
+    stage = PipelineStage(chunk, rank, pp, group.device, *_shapes(config, chunk, rank, sequence),
+                          group=None if mesh is None else mesh.get_group())
     m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
@@ -114,12 +131,14 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
                                cuda=device == "cuda")
 
 
-def _shapes(config: ModelConfig, rank: int, pp: int) -> tuple[Any, Any]:
+def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[Any, Any]:
     """What the stage receives and sends, per micro-batch (torch's static shapes: the fake group carries no
-    metadata): the token ids or the previous stage's hidden states, and the hidden states or the logits."""
+    metadata), as this rank holds them (torchtitan's TP plan passes plain local tensors): the token ids or the
+    previous stage's hidden states (of `sequence` tokens a row: under SP this rank's s/t), and the hidden states or
+    this rank's columns of the logits (its lm_head's rows)."""
     b, s, h, dtype = config.b, config.s, config.h, DTYPES[config.dtype]
-    hidden = torch.empty(b, s, h, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(b, sequence, h, dtype=dtype, device="meta", requires_grad=True)
     received = torch.empty(b, s, dtype=torch.int64, device="meta") if rank == 0 else hidden
-    sent = torch.empty(b, s, config.vocab_size, dtype=dtype, device="meta", requires_grad=True) \
-        if rank == pp - 1 else hidden
+    sent = torch.empty(b, s, chunk.lm_head.weight.shape[0], dtype=dtype, device="meta", requires_grad=True) \
+        if rank == config.pp - 1 else hidden
     return received, sent

@@ -222,10 +222,13 @@ def route_gates(block: torch.nn.Module, route: str | None, k: int, ep: int = 1) 
         gate.register_forward_hook(restored)
 
 
-def pipeline_on_fake_group() -> Any:
+@contextmanager
+def pipeline_on_fake_group() -> Iterator[None]:
     """Each pipeline stage's warm-up vote is its own: on the fake group a receive leaves its buffer as it was, so the
     peers' votes read 0 and every stage would fall back to inferring shapes over P2P, whose received sizes are
-    garbage; the probe gives every stage its shapes, as the peers' votes would then say."""
+    garbage; the probe gives every stage its shapes, as the peers' votes would then say. Each receive buffer is made
+    zeroed, so what a stage is sent is zeros, not whatever its storage held: garbage would make the weights NaN after
+    the first step, and a router's NaN logits route no token as forced (at ep > 1 each rank's counts are bytes)."""
     from torch.distributed.pipelining import stage
     from torch.distributed.pipelining.stage import InferenceMode
 
@@ -233,5 +236,8 @@ def pipeline_on_fake_group() -> Any:
         static = not InferenceMode.needs_dynamic(self._user_meta, has_backward)
         return torch.tensor([int(static)], dtype=torch.int32, device=self.device)
 
-    return patched(stage.PipelineStage, _warmup_forward_vote=own_vote,
-                   _warmup_backward_result=lambda self, received_result=None: received_result)
+    made = stage._make_tensor_from_meta
+    with patched(stage.PipelineStage, _warmup_forward_vote=own_vote,
+                 _warmup_backward_result=lambda self, received_result=None: received_result), \
+            patched(stage, _make_tensor_from_meta=lambda meta, device: made(meta, device).zero_()):
+        yield

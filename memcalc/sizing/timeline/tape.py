@@ -116,6 +116,10 @@ class Sizes:
     act: int  # activation and bf16 weight width
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
     cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
+    # torchtitan's pipeline under SP: a stage's received input and its sent output's gradient are its (b, s/t, h)
+    # receive buffers, whose layout the residual stream (`received`) and its gradient (`sent`) keep on that stage
+    received: bool = False
+    sent: bool = False
     config: ModelConfig | None = None  # whose inventory (memcalc.sizing.params) `weight` reads
 
     @classmethod

@@ -50,7 +50,8 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
     # under FSDP2 its TP plan runs on DTensor (memcalc.probe.libs.torchtitan_step.data_parallel)
-    z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda")
+    z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda",
+                received=not stage.has_embedding, sent=not stage.has_output)
     tape = Tape()
     fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
     if fsdp is None:
@@ -155,10 +156,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        # the probe runs a stage on a fake group of pp ranks (memcalc.probe.libs.torchtitan_pp), with no mesh for tp
-        # or dp_shard beside it: nothing to measure a walk against
-        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None),
-         "pp with tp or dp_shard (pp at t = 1 is walked, with experts too)"),
+        # the probe runs a stage on a fake group of pp x t ranks (memcalc.probe.libs.torchtitan_pp), without FSDP2
+        (config.pp > 1 and config.dp_shard is not None,
+         "pp with dp_shard (FSDP2 on each stage's chunk: under pp its units stay unsharded after forward, and torch's"
+         " schedule keeps them and their unreduced gradients through every micro-batch's backward, reduce-scattered"
+         " once at the step's end; pp is walked at t = 1 and under tp and tp-sp, with experts too)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -275,8 +277,9 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
     times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
     weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
     # its input is spmd_types' reduce-scatter's (s/t, b, h) output seen as (b, s/t, h), not contiguous (DTensor's
-    # reduce-scatter along s makes (b, s/t, h) itself)
-    if z.sp and z.b > 1 and not z.dtensor:
+    # reduce-scatter along s makes (b, s/t, h) itself; a pipeline stage's received input is its (b, s/t, h) receive
+    # buffer, whose layout every residual sum on the stage keeps: `Sizes.received`)
+    if z.sp and z.b > 1 and not z.dtensor and not z.received:
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
@@ -390,9 +393,10 @@ def _reduce_scattered(name: str, z: Sizes, what: str, out: Made, frees: tuple[st
 def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
     """In backward, dY's shard all-gathered along s into the whole (`gathered`), then `frees` go. The shard is first
     made contiguous (f"{g} dY"): a copy, but at b = 1, where the (b, s/t, h) view of the (s/t, b, h) shard is
-    contiguous already, on DTensor, whose shard is (b, s/t, h) itself, and on CUDA, where the residual stream's
-    gradient is the fused norm's contiguous dX, summed into in place."""
-    copy = () if z.b == 1 or z.dtensor or z.cuda else (
+    contiguous already, on DTensor, whose shard is (b, s/t, h) itself, on CUDA, where the residual stream's
+    gradient is the fused norm's contiguous dX, summed into in place, and on a pipeline stage that sends its output,
+    where the stream's gradient is its receive buffer's layout (`Sizes.sent`)."""
+    copy = () if z.b == 1 or z.dtensor or z.cuda or z.sent else (
         Step("dY made contiguous", (Made(f"{g} dY", z.seq(z.h), "this rank's shard"),)),)
     return (*copy, *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z,
                                 "concatenated along s: dY whole", (f"{g} dY", *frees)))
@@ -710,6 +714,7 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
     pipeline schedule computes it: the trainer's count of valid tokens and the schedule's logits outlive the loss."""
     last = f"layers.{config.L}/input"
     logits, fp32, cast = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t), z.act != 4  # fp32: .float() is a no-op
+    pred, count = _freed_by_trainer(pipelined)
     loss = Op("", forward=(
         *((Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),)
           if cast else ()),
@@ -718,11 +723,10 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
                                                           Made("loss/total_weight", 4, "0-d fp32, kept")),
              frees=("loss/logits fp32",)),
         Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
-        Step("", frees=("loss/sum",) if pipelined else ("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("", frees=("loss/sum", *pred)),
         Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     ), backward=(
-        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),),
-             frees=() if pipelined else ("loss/valid tokens",)),
+        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=count),
         Step("nll_loss's backward", (Made("grad/log_softmax", fp32, "-1 at each target, fp32"),),
              frees=("grad/loss sum", "loss/total_weight")),
         Step("log_softmax's backward", (Made("grad/logits fp32" if cast else "grad/logits", fp32, "fp32"),),
@@ -731,7 +735,7 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
                 frees=("grad/logits fp32",)),) if cast else ()),
     ))
     if z.t > 1:
-        loss = _loss_parallel(z)
+        loss = _loss_parallel(z, pipelined)
     return (
         norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
              "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
@@ -745,10 +749,18 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
     )
 
 
-def _loss_parallel(z: Sizes) -> Op:
+def _freed_by_trainer(pipelined: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What the trainer's loss frees and the pipeline schedule's (`pipelined`) keeps: the logits, after the loss (the
+    trainer's `del pred`), and the count of valid tokens, at the division's backward."""
+    return ((), ()) if pipelined else (("lm_head/logits",), ("loss/valid tokens",))
+
+
+def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
     """torchtitan's _LossParallelCrossEntropy (components/loss.py) on this rank's v/t columns: the row maxima, the
     sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
-    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs)."""
+    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs).
+    `pipelined`: as the pipeline schedule computes it (`_freed_by_trainer`)."""
+    pred, count = _freed_by_trainer(pipelined)
     n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
     row, ids, cast = z.tokens(4), z.tokens(8), z.act != 4  # fp32: .float() and the cast back are no-ops
 
@@ -789,11 +801,11 @@ def _loss_parallel(z: Sizes) -> Op:
             f"{l}/logits fp32", f"{l}/shifted", f"{l}/max", f"{l}/sum exp", f"{l}/safe labels", f"{l}/out of range",
             f"{l}/local labels", f"{l}/target", f"{l}/per token")),
         Step("divided by the valid tokens", (Made(f"{l}/value", 4, "the loss (0-d fp32), live all step"),)),
-        Step("", frees=(f"{l}/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("", frees=(f"{l}/sum", *pred)),
         Step("loss.backward() seeds autograd", (Made(f"{l}/grad seed", 4, "a 0-d ones tensor"),)),
     )
     backward = (
-        Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=(f"{l}/valid tokens",)),
+        Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=count),
         *labels(g),
         Step("zeros like the log-probabilities", (Made(f"{g}/one-hot", fp32, "fp32"),)),
         Step("row indices", (Made(f"{g}/arange", ids, "int64"),)),

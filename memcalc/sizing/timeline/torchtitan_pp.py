@@ -33,12 +33,14 @@ def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accou
 
 
 def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> None:
-    """torch's PipelineStage makes its receive buffers once, one (b, s, h) per micro-batch, and keeps them between
-    steps: for the gradient of what it sends (but on the last stage) and for what it is sent (but on the first)."""
+    """torch's PipelineStage makes its receive buffers once, one (b, s, h) per micro-batch (under SP this rank's
+    (b, s/t, h): the stream between blocks, which torchtitan's TP plan leaves a plain local tensor), and keeps them
+    between steps: for the gradient of what it sends (but on the last stage) and for what it is sent (but on the
+    first)."""
     m = torchtitan_microbatches(config)
     what = [x for x, has in (("the sent output's gradient", not stage.has_output),
                              ("the input", not stage.has_embedding)) if has]
-    tape.add("pipeline/receive buffers", ACTIVATIONS, len(what) * m * z.tokens(z.act * z.h),
+    tape.add("pipeline/receive buffers", ACTIVATIONS, len(what) * m * z.seq(z.h),
              f"{m} buffers for {' and for '.join(what)}, one per micro-batch, made by the first step")
 
 
