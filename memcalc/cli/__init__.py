@@ -189,8 +189,9 @@ def _end_without_teardown() -> None:
     """At exit, once the process's command has run: end as soon as its output is flushed. Python would free every
     object of every loaded module one by one first (about 5% of `memcalc estimate`, benchmarks/bench_estimate.py).
     Registered when this module loads, before anything else memcalc loads registers, so it runs last: what others
-    registered (multiprocessing's and tempfile's clean-ups) has run by then. A flush that fails is left to Python."""
-    if not _FINISHED:
+    registered (multiprocessing's and tempfile's clean-ups) has run by then. A flush that fails is left to Python,
+    and so is a process that loaded torch (`measure`), whose C++ side has its own work at exit."""
+    if not _FINISHED or "torch" in sys.modules:
         return
     try:
         sys.stdout.flush()
