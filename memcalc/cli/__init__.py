@@ -6,6 +6,7 @@ disk) is an error, exit 1; a reader that stopped reading (`| head`) is not: memc
 
 from __future__ import annotations
 
+import atexit
 import errno
 import gc
 import importlib
@@ -40,14 +41,18 @@ def _set_handlers(handlers: dict[int, Any]) -> dict[int, Any]:
 # handler that was there is put back at the end of this module.
 _WHILE_LOADING = _set_handlers({signal.SIGINT: _end_at_once})
 
+# A young collection every 25,000 new objects, not Python's 700: `memcalc estimate` makes some 20,000 (click's,
+# rich's, the model's tables), nearly all living to the end, and would scan them again some thirty times (about 3% of
+# its time, benchmarks/bench_estimate.py). A long sweep or fit still collects.
+gc.set_threshold(25_000)
+
 import click  # noqa: E402
 
 from memcalc import __version__  # noqa: E402
 from memcalc.errors import MemcalcError, debugging  # noqa: E402
 from memcalc.text import printable  # noqa: E402
 
-# What is loaded so far lives as long as the process: frozen, it is not rescanned while a subcommand's modules load
-# (about 4% of `memcalc estimate`'s start-up, benchmarks/bench_estimate.py).
+# What is loaded so far lives as long as the process: frozen, no later collection scans it again.
 gc.freeze()
 
 # name -> (module under memcalc.cli, one-line help shown by `memcalc --help`)
@@ -171,7 +176,32 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         _fail(f"internal error: {type(exc).__name__}: {exc} (set MEMCALC_DEBUG=1 for the traceback)", 70)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if argv is None:  # the process's own command line: it ends here
+        _FINISHED.append(code)
+    sys.exit(code)
+
+
+_FINISHED: list[int] = []  # the exit code of the command this process ran, once it has run (`main`)
+
+
+def _end_without_teardown() -> None:
+    """At exit, once the process's command has run: end as soon as its output is flushed. Python would free every
+    object of every loaded module one by one first (about 5% of `memcalc estimate`, benchmarks/bench_estimate.py).
+    Registered when this module loads, before anything else memcalc loads registers, so it runs last: what others
+    registered (multiprocessing's and tempfile's clean-ups) has run by then. A flush that fails is left to Python,
+    and so is a process that loaded torch (`measure`), whose C++ side has its own work at exit."""
+    if not _FINISHED or "torch" in sys.modules:
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return
+    os._exit(_FINISHED[-1])
+
+
+atexit.register(_end_without_teardown)
 
 
 def echo_json(doc: object) -> None:

@@ -66,7 +66,7 @@ size_options = _stack(
     _int("--L", "Number of layers [default: 1].", name="L"),
 )
 
-def _knob_option(knob: Knob) -> Callable:
+def knob_option(knob: Knob) -> Callable:
     """A knob's flag, generated from the knob table: its type, choices, help and default."""
     shown = "" if knob.default is None else f" [default: {knob.default}]"  # a size knob's help says what unset means
     help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
@@ -77,10 +77,7 @@ def _knob_option(knob: Knob) -> Callable:
     return click.option(knob.flag, knob.name, type=kind, help=help)
 
 
-knob_options = _stack(*(_knob_option(k) for k in KNOBS))
-# A sweep takes E and k as ranges (memcalc.cli.sweep), the other knobs as one value each.
-SWEPT_KNOBS = ("num_experts", "moe_router_topk")
-single_knob_options = _stack(*(_knob_option(k) for k in KNOBS if k.name not in SWEPT_KNOBS))
+knob_options = _stack(*(knob_option(k) for k in KNOBS))
 
 accounting_options = _stack(
     click.option(

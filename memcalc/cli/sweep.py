@@ -16,13 +16,13 @@ import click
 
 from memcalc.cli import note
 from memcalc.cli.options import (
-    EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
-    file_fields, hf_config_option, note_left_out, single_knob_options,
+    EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields,
+    hf_config_option, knob_option, note_left_out,
 )
 from memcalc.cli.types import INTEGER, Parsed
 from memcalc.config.schema import field_help
 from memcalc.errors import in_file
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import KNOBS, Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 
 if TYPE_CHECKING:  # numpy: only when the command runs
@@ -43,6 +43,7 @@ def _values(text: str) -> Sequence[int]:
 VALUES = Parsed("VALUES", _values)
 
 
+SWEPT_KNOBS = ("num_experts", "moe_router_topk")  # E and k take ranges; every other knob one value
 RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list or a range
 
 
@@ -53,6 +54,14 @@ def size_range_options(f: Callable) -> Callable:
         meaning = field_help(name)
         help_text = f"{meaning[:1].upper()}{meaning[1:]}: one value, a list or a range."
         f = click.option(f"--{name.replace('_', '-')}", name, type=VALUES, help=help_text)(f)
+    return f
+
+
+def single_knob_options(f: Callable) -> Callable:
+    """Every knob's flag but those SWEPT_KNOBS takes as ranges, one value each (built here: only sweep has them)."""
+    for knob in reversed(KNOBS):
+        if knob.name not in SWEPT_KNOBS:
+            f = knob_option(knob)(f)
     return f
 
 
