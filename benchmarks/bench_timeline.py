@@ -2,7 +2,7 @@
 
 Issue 19's bar: deriving every layer from one op description must not slow the calculator; a full-model
 timeline (every layer of DeepSeek-V3 671B, pp 16) walks in under a second. This times, median of N runs,
-`memcalc.sizing.timeline.timelines` (every stage that bounds memory) for:
+`memcalc.sizing.timeline.timelines` (every stage that bounds memory) and the search for their peak for:
 
   - each shipped config (DeepSeek-V3's 61 layers on one stage), under its own implementation, each strategy;
   - the same under the transformers implementation (`--impl hf`), where it is walked;
@@ -28,9 +28,13 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from bench_sweep import timed
+
+if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
+    from memcalc.model.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 1.0  # seconds of CPU time for one config's timelines
@@ -71,8 +75,15 @@ def walks(name: str, overrides: dict[str, object]) -> list[tuple[str, Callable[[
         except ConfigError as e:
             found.append((strategy.name, str(e)))
             continue
-        found.append((strategy.name, lambda s=strategy: uncached(timelines)(config, s)))
+        found.append((strategy.name, lambda s=strategy: uncached(peak)(config, s)))
     return found
+
+
+def peak(config: ModelConfig, strategy: Strategy) -> int:
+    """What `estimate --totals` reads of the timelines: the bytes of the highest stage's peak."""
+    from memcalc.sizing.timeline import timelines
+
+    return max(x.peak.bytes for x in timelines(config, strategy))
 
 
 def uncached(walk: Callable[..., object]) -> Callable[..., object]:
