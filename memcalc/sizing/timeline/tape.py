@@ -143,9 +143,10 @@ class _Marked(list[Moment]):
         return max(self, key=operator.attrgetter("bytes"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Replayed:
-    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log`."""
+    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log` (slotted,
+    not frozen, as `Moment`: a run for each walk replayed)."""
 
     trace: Trace
     before: tuple[int, ...]
