@@ -80,8 +80,9 @@ class Moment:
 class Moments(Sequence[Moment]):
     """A step's moments in order, in runs: those marked one by one, and those of a traced walk replayed (`Tape.replay`,
     a trace and where it starts), made only where one is read. torchtitan's pipeline replays half a million moments
-    on gpt3-1t's 64 stages: made as objects they took a third of its walk, half of it the garbage collector's passes
-    over them (deferring those, `bulk`, saves none: each object is passed over once in each generation it reaches)."""
+    on gpt3-1t's 64 stages: made as objects, they and the garbage collector's passes over them took over a third of
+    its walk (deferring the passes, `bulk`, saves none for objects that outlive the walk: each is passed over once in
+    each generation it reaches)."""
 
     def __init__(self, log: list[Live | str]) -> None:
         self.log = log  # the tape's, shared
@@ -170,7 +171,7 @@ class _Replayed:
         return map(Moment, *trace.moments, zip(*columns), repeat(self.log), at)
 
     def peak(self) -> Moment:
-        """The walk's peak moment done again: each moment's totals are the trace's less the same `before`."""
+        """The traced walk's peak, done again: each moment's totals are the trace's plus the same `before`."""
         return self[self.trace.peak]
 
 
