@@ -37,12 +37,12 @@ if TYPE_CHECKING:
     from memcalc.model.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's memcalc, not the installed one: an A/B runs each checkout's copy
 LIMIT = 1.0  # seconds of CPU time for one config's timelines
 
 
 def cases() -> list[tuple[str, str, dict[str, object]]]:
     """(label, shipped config, overrides) for every walk to time."""
-    sys.path.insert(0, str(ROOT))
     from memcalc.config.schema import load_config
     from memcalc.config.shipped import shipped_names
 
