@@ -2,7 +2,7 @@
 
 Issue 19's bar: deriving every layer from one op description must not slow the calculator; a full-model
 timeline (every layer of DeepSeek-V3 671B, pp 16) walks in under a second. This times, median of N runs,
-`memcalc.sizing.timeline.timelines` (every stage that bounds memory) for:
+`memcalc.sizing.timeline.timelines` (every stage that bounds memory) and the search for their peak for:
 
   - each shipped config (DeepSeek-V3's 61 layers on one stage), under its own implementation, each strategy;
   - the same under the transformers implementation (`--impl hf`), where it is walked;
@@ -28,17 +28,21 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from bench_sweep import timed
 
+if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
+    from memcalc.model.strategy import Strategy
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's memcalc, not the installed one: an A/B runs each checkout's copy
 LIMIT = 1.0  # seconds of CPU time for one config's timelines
 
 
 def cases() -> list[tuple[str, str, dict[str, object]]]:
     """(label, shipped config, overrides) for every walk to time."""
-    sys.path.insert(0, str(ROOT))
     from memcalc.config.schema import load_config
     from memcalc.config.shipped import shipped_names
 
@@ -71,8 +75,15 @@ def walks(name: str, overrides: dict[str, object]) -> list[tuple[str, Callable[[
         except ConfigError as e:
             found.append((strategy.name, str(e)))
             continue
-        found.append((strategy.name, lambda s=strategy: uncached(timelines)(config, s)))
+        found.append((strategy.name, lambda s=strategy: uncached(peak)(config, s)))
     return found
+
+
+def peak(config: ModelConfig, strategy: Strategy) -> int:
+    """What `estimate --totals` reads of the timelines: the bytes of the highest stage's peak."""
+    from memcalc.sizing.timeline import timelines
+
+    return max(x.peak.bytes for x in timelines(config, strategy))
 
 
 def uncached(walk: Callable[..., object]) -> Callable[..., object]:

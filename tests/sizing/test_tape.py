@@ -41,6 +41,53 @@ def test_moments_share_one_log_instead_of_copying_the_live_set():
     assert [m.at for m in tape.moments] == sorted(m.at for m in tape.moments)
 
 
+def _walk(tape: Tape) -> None:
+    """A walk to trace: a temporary and an activation made, a moment at each, and the temporary freed."""
+    tape.add("t", TEMPORARIES, 5, "a temporary")
+    tape.mark("backward", "a", "t made")
+    tape.add("a", ACTIVATIONS, 3, "an activation")
+    tape.mark("backward", "a", "a made")
+    tape.drop("t")
+
+
+def test_a_replayed_walk_makes_the_moments_tensors_and_log_its_walk_would_on_top_of_what_is_live_now():
+    replayed, walked = Tape(), Tape()
+    for tape in (replayed, walked):
+        tape.add("w", PARAMETERS, 100, "a weight")
+        tape.mark("steady", "", "between steps")
+    trace = replayed.traced(lambda: _walk(replayed))
+    _walk(walked)
+    for tape in (replayed, walked):
+        tape.rename_all({"a": "first/a"})  # the walk's own names free again, as a pipeline's micro-batches do
+        tape.add("g", GRADIENTS, 7, "a gradient")
+        tape.mark("backward", "", "a gradient made")
+    replayed.replay(trace)
+    _walk(walked)
+    moments, expected = replayed.moments, tuple(walked.moments)
+    assert tuple(moments) == expected and len(moments) == len(expected) == 6
+    assert [moments[i] for i in range(-6, 6)] == [*expected, *expected]
+    assert moments[1:-1] == expected[1:-1] and moments[::-2] == expected[::-2]
+    assert [(m.at, [x.name for x in m.live]) for m in moments] == [(m.at, [x.name for x in m.live]) for m in expected]
+    assert replayed.live.log == walked.live.log and dict(replayed.live) == dict(walked.live)
+    assert replayed.live.totals == walked.live.totals
+    with pytest.raises(IndexError):
+        moments[6]
+
+
+def test_the_peak_is_the_first_moment_with_the_most_bytes_whether_marked_or_replayed():
+    tape = Tape()
+    trace = tape.traced(lambda: _walk(tape))  # 5 and 8 bytes
+    tape.rename_all({"a": "first/a"})
+    tape.replay(trace)  # 8 and 11 on top of first/a
+    tape.rename_all({"a": "second/a"})
+    tape.drop("first/a")
+    tape.replay(trace)  # 8 and 11 again
+    tape.add("x", ACTIVATIONS, 5, "as many bytes as the peaks above")
+    tape.mark("forward", "", "x made")  # 11 again
+    moments = tape.moments
+    assert [m.bytes for m in moments] == [5, 8, 8, 11, 8, 11, 11]
+    assert moments.peak().at == moments[3].at and moments.peak() == moments[3]
+
 
 def test_the_live_tensors_refuse_a_change_that_would_bypass_their_totals_and_log():
     tape = Tape()

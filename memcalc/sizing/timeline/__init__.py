@@ -25,7 +25,8 @@ from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline, bulk,
+    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Moments, Sizes, Tape,
+    Timeline, bulk,
 )
 
 __all__ = [
@@ -69,7 +70,7 @@ def timeline(
 def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, tensors: tuple[TensorBytes, ...],
              dense_tensors: tuple[TensorBytes, ...], rerun: tuple[TensorBytes, ...] | None,
              rerun_dense: tuple[TensorBytes, ...] | None, end_bytes: tuple[tuple[str, int], ...]
-             ) -> tuple[Moment, ...]:
+             ) -> Moments:
     """The step's moments on a rank of these sizes, its layers keeping the ledger's `tensors` (`dense_tensors`, a
     dense layer's among MoE ones; `rerun`, what they keep without recomputation, None without it) and its ends
     `end_bytes`: two strategies that give a rank the same (none and tp-sp at t = 1) walk the same step, once (`fit`
@@ -130,7 +131,7 @@ def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, t
     front.backward(ends.inputs)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     optimizer_step(tape, config)
-    return tuple(tape.moments)
+    return tape.moments
 
 
 def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, embedding: int) -> None:

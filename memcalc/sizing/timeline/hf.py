@@ -33,7 +33,7 @@ from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.params import fuses_modules, norm_names
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
+    ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moments, Sizes, Tape, Timeline, bulk,
 )
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
@@ -122,7 +122,7 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
 
 @functools.lru_cache(maxsize=2)
 def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...],
-             dense: tuple[tuple[ledger.SavedTensor, int], ...] = ()) -> tuple[Moment, ...]:
+             dense: tuple[tuple[ledger.SavedTensor, int], ...] = ()) -> Moments:
     """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes; `dense`, a
     dense layer's among MoE ones): two strategies that give a rank the same (none and tp at t = 1) walk the same
     step, once."""
@@ -161,7 +161,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         sharding.optimizer_step(tape)
     else:
         optimizer_step(tape, config)
-    return tuple(tape.moments)
+    return tape.moments
 
 
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape

@@ -5,15 +5,16 @@ Categories are MemTracker's (`memcalc.probe.step`), as docs/timeline.md, "The wa
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod as prod  # the walks' element counts, imported from here
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -42,7 +43,7 @@ class Moment:
     """What is live right after one op allocates its outputs, before anything it frees is freed: its bytes per
     category, and the tensors themselves, read back from the tape's log when asked for (a moment keeps no copy).
     Slotted, not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, at over three
-    times the cost, and torchtitan's pipeline makes half a million moments (gpt3-1t, 64 stages)."""
+    times the cost, and a walk marks one per op (a replayed walk's are made only where one is read, `Moments`)."""
 
     phase: str  # "steady", "forward", "backward" or "optimizer"
     where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
@@ -76,12 +77,110 @@ class Moment:
         return f"{self.phase}{where} ({self.what})"
 
 
+class Moments(Sequence[Moment]):
+    """A step's moments in order, in runs: those marked one by one, and those of a traced walk replayed (`Tape.replay`,
+    a trace and where it starts), made only where one is read. torchtitan's pipeline replays half a million moments
+    on gpt3-1t's 64 stages: made as objects, they and the garbage collector's passes over them took over a third of
+    its walk (deferring the passes, `bulk`, saves none for objects that outlive the walk: each is passed over once in
+    each generation it reaches)."""
+
+    def __init__(self, log: list[Live | str]) -> None:
+        self.log = log  # the tape's, shared
+        self.runs: list[_Marked | _Replayed] = []
+        self.starts: list[int] = []  # the index of each run's first moment
+        self.marking: _Marked | None = None  # the run that marks go to: the last, if marked
+
+    def mark(self, phase: str, where: str, what: str, totals: tuple[int, ...]) -> None:
+        """A moment of these totals, now (at the log's end)."""
+        if self.marking is None:
+            self.marking = _Marked()
+            self._add(self.marking)
+        self.marking.append(Moment(phase, where, what, totals, self.log, len(self.log)))
+
+    def replay(self, trace: Trace, before: tuple[int, ...], at: int) -> None:
+        """The moments of a traced walk, done again on top of the totals `before`, `at` changes into the log."""
+        if trace.at:
+            self._add(_Replayed(trace, before, at, self.log))
+
+    def _add(self, run: _Marked | _Replayed) -> None:
+        self.starts.append(len(self))
+        self.runs.append(run)
+        self.marking = run if isinstance(run, _Marked) else None
+
+    def __len__(self) -> int:
+        return self.starts[-1] + len(self.runs[-1]) if self.runs else 0
+
+    @overload
+    def __getitem__(self, i: int) -> Moment: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Moment, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Moment | tuple[Moment, ...]:
+        found = range(len(self))[i]  # an index from the start (IndexError beyond the end), or those of a slice
+        if isinstance(found, range):
+            return tuple(self[x] for x in found)
+        run = bisect.bisect_right(self.starts, found) - 1
+        return self.runs[run][found - self.starts[run]]
+
+    def __iter__(self) -> Iterator[Moment]:
+        return itertools.chain.from_iterable(self.runs)
+
+    def __eq__(self, other: object) -> bool:
+        """The same moments, in order (by `Moment`'s equality: their phases, wheres, whats and totals)."""
+        return tuple(self) == tuple(other) if isinstance(other, Moments) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a list's: moments are added
+
+    def peak(self) -> Moment:
+        """The moment with the most bytes live (the first, on a tie): the first run's whose peak is highest."""
+        return max((x.peak() for x in self.runs), key=operator.attrgetter("bytes"))
+
+
+class _Marked(list[Moment]):
+    """Moments marked one by one."""
+
+    def peak(self) -> Moment:
+        return max(self, key=operator.attrgetter("bytes"))
+
+
+@dataclass(slots=True)
+class _Replayed:
+    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log` (slotted,
+    not frozen, as `Moment`: a run for each walk replayed)."""
+
+    trace: Trace
+    before: tuple[int, ...]
+    at: int
+    log: list[Live | str]
+
+    def __len__(self) -> int:
+        return len(self.trace.at)
+
+    def __getitem__(self, i: int) -> Moment:
+        trace = self.trace
+        totals = tuple(x if change is None else x + change[i] for x, change in zip(self.before, trace.changes))
+        return Moment(*(x[i] for x in trace.moments), totals, self.log, self.at + trace.at[i])
+
+    def __iter__(self) -> Iterator[Moment]:
+        # each moment's totals a tuple zip makes of the categories' columns (one the walk left alone repeats its total)
+        trace, repeat = self.trace, itertools.repeat
+        columns = (repeat(x) if change is None else map(operator.add, repeat(x), change)
+                   for x, change in zip(self.before, trace.changes))
+        at = map(operator.add, repeat(self.at), trace.at)
+        return map(Moment, *trace.moments, zip(*columns), repeat(self.log), at)
+
+    def peak(self) -> Moment:
+        """The traced walk's peak, done again: each moment's totals are the trace's plus the same `before`."""
+        return self[self.trace.peak]
+
+
 @dataclass(frozen=True)
 class Timeline:
     """One step on one rank: every moment in order."""
 
     strategy: Strategy
-    moments: tuple[Moment, ...]
+    moments: Moments
     stage: str = "only"  # the pipeline stage (memcalc.sizing.pipeline.stages)
 
     @property
@@ -92,7 +191,7 @@ class Timeline:
     @functools.cached_property
     def peak(self) -> Moment:
         """The moment with the most bytes live (the first, on a tie)."""
-        return max(self.moments, key=lambda m: m.bytes)
+        return self.moments.peak()
 
 
 @dataclass(frozen=True)
@@ -207,7 +306,7 @@ class _Live(dict):
 class Tape:
     def __init__(self) -> None:
         self.live = _Live()
-        self.moments: list[Moment] = []
+        self.moments = Moments(self.live.log)
 
     def add(self, name: str, category: str, nbytes: int, why: str) -> None:
         if name in self.live:
@@ -238,8 +337,7 @@ class Tape:
             log += (old, x)
 
     def mark(self, phase: str, where: str, what: str) -> None:
-        live = self.live
-        self.moments.append(Moment(phase, where, what, tuple(live.totals.values()), live.log, len(live.log)))
+        self.moments.mark(phase, where, what, tuple(self.live.totals.values()))
 
     def traced(self, walk: Callable[[], None]) -> Trace:
         """`walk` run on the tape, and what it did there (`replay` does it again)."""
@@ -258,7 +356,7 @@ class Tape:
         return Trace(tuple(changes), tuple(gone), tuple(left.values()),
                      tuple(tuple(getattr(x, name) for x in marked) for name in ("phase", "where", "what")),
                      tuple(x if any(x) else None for x in columns), tuple(x.at - at for x in marked),
-                     _less(tuple(live.totals.values()), before))
+                     _less(tuple(live.totals.values()), before), _first_peak(marked))
 
     def replay(self, trace: Trace) -> None:
         """What a traced walk did, done again, where it would do the same (the same ops, the same tensors live under
@@ -272,19 +370,14 @@ class Tape:
         log += trace.log
         for category, change in zip(CATEGORIES, trace.totals):
             live.totals[category] += change
-        # each moment's totals a tuple zip makes of the categories' columns (one the walk left alone repeats its
-        # total): a step replays some half a million moments
-        repeat = itertools.repeat
-        columns = (repeat(x) if change is None else map(operator.add, repeat(x), change)
-                   for x, change in zip(before, trace.changes))
-        self.moments += map(Moment, *trace.moments, zip(*columns), repeat(log), map(operator.add, repeat(at), trace.at))
+        self.moments.replay(trace, before, at)
 
 
 class Trace(NamedTuple):
     """What a walk did to a tape: its changes to the live tensors (the log's entries; in sum, the tensors live before
     that went, `gone`, and those it left live, in the order the tape holds them, `left`), its moments (their phases,
     wheres and whats; for each category their totals less the one before the walk, None where none changed; how many
-    changes came before each), and its change to the totals."""
+    changes came before each), its change to the totals, and which of its moments peaks (the first, on a tie)."""
 
     log: tuple[Live | str, ...]
     gone: tuple[str, ...]
@@ -293,6 +386,12 @@ class Trace(NamedTuple):
     changes: tuple[tuple[int, ...] | None, ...]
     at: tuple[int, ...]
     totals: tuple[int, ...]
+    peak: int
+
+
+def _first_peak(moments: tuple[Moment, ...]) -> int:
+    """The index of the first of `moments` with the most bytes (0 where there are none)."""
+    return max(range(len(moments)), key=lambda i: moments[i].bytes, default=0)
 
 
 def _less(totals: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:

@@ -85,7 +85,7 @@ class Parts:
     def timeline(self, stage: str) -> Timeline:
         """The step's moments, ended by the optimizer's."""
         optimizer_step(self.tape, self.config)
-        return Timeline(self.strategy, tuple(self.tape.moments), stage)
+        return Timeline(self.strategy, self.tape.moments, stage)
 
     def ends(self, unit: str | None, where: str, ops: tuple[Op, ...]) -> Segment:
         """A segment of the model's ends (or the trainer's ops: `unit` None)."""
