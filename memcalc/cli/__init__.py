@@ -138,7 +138,10 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI, turning every expected failure into one line on stderr."""
+    """Run the CLI, turning every expected failure into one line on stderr. Without `argv` (the console script,
+    `python -m memcalc`) it is the process's command line: once it has run without an error (exit 0, or 3: nothing
+    fits), the process ends with that code, and exit work registered before memcalc.cli loaded never runs
+    (`_end_without_teardown`). A program that calls main and goes on passes `argv`."""
     debug = debugging()
     _tolerant_streams()
     _NOTES.clear()
@@ -188,9 +191,10 @@ _FINISHED: list[int] = []  # the exit code of the command this process ran, once
 def _end_without_teardown() -> None:
     """At exit, once the process's command has run: end as soon as its output is flushed. Python would free every
     object of every loaded module one by one first (about 5% of `memcalc estimate`, benchmarks/bench_estimate.py).
-    Registered when this module loads, before anything else memcalc loads registers, so it runs last: what others
-    registered (multiprocessing's and tempfile's clean-ups) has run by then. A flush that fails is left to Python,
-    and so is a process that loaded torch (`measure`), whose C++ side has its own work at exit."""
+    Registered when this module loads, before anything else memcalc loads registers, so it runs after what those
+    registered (multiprocessing's and tempfile's clean-ups); exit work registered before this module loaded (the
+    calling program's, a coverage tool's) never runs. A flush that fails is left to Python, and so is a process that
+    loaded torch (`measure`), whose C++ side has its own work at exit."""
     if not _FINISHED or "torch" in sys.modules:
         return
     try:

@@ -154,7 +154,7 @@ SHIMS: tuple[Shim, ...] = (
     Shim("torchtitan", "pipelining's _make_tensor_from_meta (--step with pp)",
          "each receive buffer is made zeroed, so what a stage is sent is zeros",
          "a receive on the fake group leaves its buffer as it was: garbage makes the weights NaN after the warm-up"
-         " step, and a router's NaN logits route no token as forced (at ep > 1 each rank's counts are bytes)",
+         " step, and a router's NaN logits route no token as forced (at ep > 1 the counts set the all-to-all's bytes)",
          Kind.MEASURES, pp_step=True),
     # -- transformers 5.24.0 (memcalc.probe.libs.hf_shim, hf.py) --
     Shim("hf", "torch.nn.functional.dropout",

@@ -602,11 +602,10 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     out = []
     for strategy, predicted in planned:
         if config.pp > 1:  # this process is the stage's rank (tp rank 0) of pp x t through the fake group
-            t = config.t if strategy.tensor_parallel else 1
-            rank = stage_rank(predicted.stage, config.pp) * t
-            measured = run_fake(trainer, (config, strategy, route, device), config.pp * t, rank=rank)
-            world = _in_words({"pp": config.pp, "t": t}) if t > 1 else ""
-            out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device, world, rank))
+            world, rank = stage_world(config, strategy, predicted.stage)
+            measured = run_fake(trainer, (config, strategy, route, device), math.prod(world.values()), rank=rank)
+            words = _in_words(world) if world["t"] > 1 else ""
+            out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device, words, rank))
             continue
         world = _fake_world(config, strategy)
         mode = Mode.FAKE if world else Mode.SINGLE
@@ -615,6 +614,14 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=math.prod(world.values()))
         out.append(StepComparison(strategy, mode, predicted, measured, model, device, _in_words(world)))
     return out
+
+
+def stage_world(config: ModelConfig, strategy: Strategy, stage: str) -> tuple[dict[str, int], int]:
+    """The factors of the fake group's world a pipeline stage's step runs on, pp x t (t under a TP strategy, else 1),
+    and the rank this process runs as: the stage's tp rank 0, as torchtitan's ParallelDims lays the ranks out (pp
+    outermost)."""
+    t = config.t if strategy.tensor_parallel else 1
+    return {"pp": config.pp, "t": t}, stage_rank(stage, config.pp) * t
 
 
 def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:

@@ -107,7 +107,8 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
 
 def _built(name: str, **changes):
     """The config.json `name` (tests/data/hf) as memcalc reads it under impl hf, and transformers' own model built
-    from it on the meta device (without a pad_token_id of its own none: GLM's default lies past a small vocabulary)."""
+    from it on the meta device (pad_token_id None where the file sets none: GLM's default lies past a small
+    vocabulary)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     path = Path(__file__).parents[1] / "data" / "hf" / f"{name}.json"

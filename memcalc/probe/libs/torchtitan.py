@@ -148,21 +148,22 @@ def ac_config(config: ModelConfig) -> Any:
 
 
 @contextmanager
-def tensor_parallel(tp: TensorParallelGroup, ep: int = 1, pp: int = 1) -> Iterator[ParallelDims | None]:
+def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1) -> Iterator[ParallelDims | None]:
     """torchtitan's TP runtime over the probe's group (the whole world: `pp` pipeline ranks, each of a TP group of
     the rest, as torchtitan's pp x tp mesh lays them out), its experts over `ep` of its ranks (the TP ranks, as
     torchtitan borrows them), its collectives' deprecation warnings and the CPU's refusal of the MoE router's
-    autocast(float32) (the shim runs it) silenced: None for t = 1, which has no plan."""
+    autocast(float32) (the shim runs it) silenced: None where the group is the pipeline's alone (t = 1), which has no
+    plan."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
-        if tp.size == pp:
+        if group.size == pp:
             yield None
             return
         dist_utils.set_spmd_backend(SPMD_BACKEND)
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp.size // pp, pp=pp, ep=ep, world_size=tp.size,
-                            spmd_backend=SPMD_BACKEND)
-        with shim.mesh_device(tp.device.type):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=group.size // pp, pp=pp, ep=ep,
+                            world_size=group.size, spmd_backend=SPMD_BACKEND)
+        with shim.mesh_device(group.device.type):
             dims.build_mesh()
         set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
         try:

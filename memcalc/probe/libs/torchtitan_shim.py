@@ -228,7 +228,8 @@ def pipeline_on_fake_group() -> Iterator[None]:
     peers' votes read 0 and every stage would fall back to inferring shapes over P2P, whose received sizes are
     garbage; the probe gives every stage its shapes, as the peers' votes would then say. Each receive buffer is made
     zeroed, so what a stage is sent is zeros, not whatever its storage held: garbage would make the weights NaN after
-    the first step, and a router's NaN logits route no token as forced (at ep > 1 each rank's counts are bytes)."""
+    the first step, and a router's NaN logits route no token as forced (at ep > 1 the counts set the all-to-all's
+    bytes)."""
     from torch.distributed.pipelining import stage
     from torch.distributed.pipelining.stage import InferenceMode
 

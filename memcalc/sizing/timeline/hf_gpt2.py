@@ -13,6 +13,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
+from memcalc.sizing.params import NORM_NAMES
 from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
@@ -24,9 +25,11 @@ MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_ma
 FIRST_GRAD = "grad/embedding dropout output"  # the first block's input gradient, where the embedding drops out
 QKV = (ledger.Q, ledger.K, ledger.V)
 # GPT-2's attention modules and norms by their names in the per-parameter inventory (memcalc.sizing.params), which
-# names them as Llama's; the MLP's are its own
-INVENTORY = {"attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj", "ln_1": "input_layernorm",
-             "ln_2": "post_attention_layernorm", "transformer.ln_f": "model.norm"}
+# names them as Llama's (ln_1 and ln_2 in Llama's norms' places; ln_f, LN_F, is the model's final norm, Sizes.ends);
+# the MLP's are its own
+INVENTORY = {"attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj", "ln_1": NORM_NAMES["llama"][0],
+             "ln_2": NORM_NAMES["llama"][2]}
+LN_F = "transformer.ln_f"
 
 
 def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
@@ -36,7 +39,7 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
     holds them) beside dY, which then goes; with a `residual`, dX and the stream's gradient summed into `out` after
     the node returned (its saved tensors gone), the weights' gradients handed over after that. F.layer_norm returns
     the output alone: under a checkpoint the mean and rstd go at once."""
-    g, m = "/".join(x for x in ("grad", p, where) if x), INVENTORY.get(where, where)
+    g, m = "/".join(x for x in ("grad", p, where) if x), z.ends.norm if where == LN_F else INVENTORY.get(where, where)
     dw, db, dx = f"{g} weight", f"{g} bias", f"{g}/dx" if residual else out
     kernel = Step("native_layer_norm_backward: dX, dweight, dbias", (
         Made(dx, z.full(z.h), "the norm's dX"), Made(dw, z.weight(m), WHY_NORM_GRADS),
@@ -313,7 +316,7 @@ def final_norm(z: Sizes, config: ModelConfig) -> Op:
     """ln_f: its output is lm_head's input; GPT2Model's locals go as it returns (the mask, under a checkpoint, when
     the first block's frame lets it go)."""
     gone = MODEL_LOCALS[:2] if config.recompute == "full" else MODEL_LOCALS
-    return layer_norm("transformer.ln_f", "", ledger.FINAL_NORM, z, kept("", ledger.OUTPUT_INPUT),
+    return layer_norm(LN_F, "", ledger.FINAL_NORM, z, kept("", ledger.OUTPUT_INPUT),
                       "grad/lm_head input", f"grad/layers.{config.L - 1}/output", gone=gone)
 
 

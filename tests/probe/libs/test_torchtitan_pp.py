@@ -5,6 +5,8 @@ on a pp x t mesh, each chunk laid out by torchtitan's own TP plan): the peak, ea
 steps to the byte, where the timeline names it, on the CPU's kernels and run as CUDA runs them; and every moment the
 timeline names is MemTracker's reading after some op, in order, in its module."""
 
+import math
+
 import pytest
 
 pytest.importorskip("torch")
@@ -15,7 +17,8 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.torchtitan_pp import (  # noqa: E402
     measure_torchtitan_pp_step_on_rank, pipeline_runtime, warmed_up_stage)
-from memcalc.sizing.pipeline import pipeline_stages, stage_rank  # noqa: E402
+from memcalc.probe.step import stage_world  # noqa: E402
+from memcalc.sizing.pipeline import pipeline_stages  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
@@ -70,8 +73,8 @@ MOE_CUDA_CASES = [MOE | {"recompute": "op", "moe_shared_expert_intermediate_size
 
 def _on_stage_rank(fn, args, config, stage, strategy="none"):
     """fn(group, *args) as the rank of `stage` (tp rank 0) in the pp x t world (t under a TP strategy, else 1)."""
-    t = config.t if STRATEGIES[strategy].tensor_parallel else 1
-    return run_fake(fn, args, config.pp * t, rank=stage_rank(stage, config.pp) * t)
+    world, rank = stage_world(config, STRATEGIES[strategy], stage)
+    return run_fake(fn, args, math.prod(world.values()), rank=rank)
 
 
 def _assert_peak_exact(config, stage, device, route=None, strategy="none"):
