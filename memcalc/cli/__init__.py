@@ -43,7 +43,9 @@ _WHILE_LOADING = _set_handlers({signal.SIGINT: _end_at_once})
 
 # A young collection every 25,000 new objects, not Python's 700: `memcalc estimate` makes some 20,000 (click's,
 # rich's, the model's tables), nearly all living to the end, and would scan them again some thirty times (about 3% of
-# its time, benchmarks/bench_estimate.py). A long sweep or fit still collects.
+# its time, benchmarks/bench_estimate.py). A long sweep or fit still collects. `measure` puts Python's own back
+# (`python_collection`): the training step it measures runs under it.
+_PYTHONS_COLLECTION = gc.get_threshold()
 gc.set_threshold(25_000)
 
 import click  # noqa: E402
@@ -54,6 +56,13 @@ from memcalc.text import printable  # noqa: E402
 
 # What is loaded so far lives as long as the process: frozen, no later collection scans it again.
 gc.freeze()
+
+
+def python_collection() -> None:
+    """Collect garbage as Python does by default again: a probe in this process measures what a training process,
+    under Python's thresholds, holds (a tensor caught in a reference cycle lives until a collection finds it)."""
+    gc.set_threshold(*_PYTHONS_COLLECTION)
+
 
 # name -> (module under memcalc.cli, one-line help shown by `memcalc --help`)
 COMMANDS: dict[str, tuple[str, str]] = {

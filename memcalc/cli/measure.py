@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli import signals_end_at_once
+from memcalc.cli import python_collection, signals_end_at_once
 from memcalc.cli.compare import add_total, comparison_table, document, print_header, print_outcome, report
 from memcalc.cli.options import model_from, model_options, sharding_options, strategies_at, strategy_option
 from memcalc.cli.types import POSITIVE, Real
@@ -98,6 +98,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
              memcalc measure --config tiny --t 8 --strategy tp-sp
              torchrun --nproc-per-node 8 -m memcalc measure --config tiny --t 8 --device cuda
     """
+    python_collection()
     config = model_from(params)
     names = strategies_at(strategy, config)  # once: "all" names on stderr a layout left out for these knobs
     if step:
