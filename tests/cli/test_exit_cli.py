@@ -77,7 +77,8 @@ def test_a_process_that_loaded_torch_ends_as_usual():
 
 @pytest.mark.procs
 def test_measure_collects_garbage_at_pythons_thresholds_as_the_training_it_measures_does():
-    code = "import gc\nfrom memcalc.cli import main\ntry:\n    main()\nexcept SystemExit:\n    print(gc.get_threshold())"
-    proc = _python(code, "measure", "--config", "tiny", "--dp-shard", "2")  # refused after the reset, before torch loads
+    code = "import gc\nfrom memcalc.cli import main\ntry:\n    main()\nexcept SystemExit:\n"
+    code += "    print(gc.get_threshold())"
+    proc = _python(code, "measure", "--config", "tiny", "--dp-shard", "2")  # refused after the reset, before torch
     assert proc.returncode == 0 and "memcalc: error: tiny: dp_shard=2" in proc.stderr
     assert proc.stdout.strip() == "(700, 10, 10)"
