@@ -32,9 +32,9 @@ LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102, "pp": 2, "dp_shard": 2}
 CASES = [
     {},
     {"b": 1, "s": 7, "dp_shard": 3},  # b = 1, odd s, dp_shard = 3 pads the vocabulary and the ffn width
-    {"pp": 3, "L": 3, "recompute": "full", "num_microbatches": 4},  # FullAC; 1, 1, 1 layers, the last norm and lm_head
+    {"pp": 3, "L": 3, "recompute": "full", "num_microbatches": 4},  # FullAC; 1, 2, 0 layers: norm and lm_head alone
     {"recompute": "op", "num_microbatches": 3, "b": 1, "s": 9},  # SelectiveAC
-    {"dtype": "fp32", "dp_shard": 3, "b": 1, "s": 5},  # no casts: the unsharded gradient is accumulated as it is
+    {"dtype": "fp32", "dp_shard": 3, "b": 1, "s": 5},  # no casts: each unit gathered in fp32
 ]
 
 
