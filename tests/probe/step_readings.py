@@ -93,3 +93,28 @@ def assert_moments_in_order(moments: tuple[Moment, ...], readings: list[tuple[st
                       if readings[i][1] == expected and (readings[i][0] == where or not placed)), None)
         assert found is not None, f"{moment.label()}: {expected} is not among the readings after op {position}"
         position = found
+
+
+def torchtitan_pp_fsdp_readings(config, stage: str) -> list[tuple[str, dict[str, int]]]:
+    """FSDPMemTracker's reading after every op of one step of torchtitan's pipeline stage `stage` under its
+    parallelize_llama (FSDP2 over dp_shard), on the stage's first rank of pp x dp_shard."""
+    from memcalc.model.strategy import STRATEGIES
+    from memcalc.probe.launch import run_fake
+    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker
+    from memcalc.probe.libs.torchtitan_pp import sharded_pipeline_runtime, warmed_up_sharded_stage
+    from memcalc.sizing.pipeline import stage_rank
+
+    plan = STRATEGIES["none"]
+
+    def on_rank(group):
+        with sharded_pipeline_runtime(group, config, plan) as dims:
+            trainer = warmed_up_sharded_stage(group, config, plan, dims)
+            tracker = reading_every_op(FsdpMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
+            tracker.readings = []
+            trainer.register(tracker)
+            with tracker:
+                trainer.step()
+            return tracker.readings
+
+    world = config.pp * config.dp_shard
+    return run_fake(on_rank, (), world, rank=stage_rank(stage, config.pp) * config.dp_shard)

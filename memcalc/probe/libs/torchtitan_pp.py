@@ -19,7 +19,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.torchtitan_step import flex_inputs, initialised
+from memcalc.probe.libs.torchtitan_step import data_parallel, flex_inputs, initialised, parallelized
 from memcalc.probe.step import StepMeasurement, Trainer, batch, check_route, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
@@ -69,19 +69,24 @@ class StageTrainer(Trainer):
         tracker.called_per_microbatch.add(self.model)
 
     def step(self) -> None:
-        """Every micro-batch's ids and labels (views of the local batch's), their valid tokens counted, on CUDA each
-        micro-batch's positions and block mask (its post_dataloading_process), then the schedule's step over them as
-        torchtitan's trainer calls it (`_step`)."""
+        """The schedule's step (`scheduled_step`), then memcalc's AdamW."""
         self.main_grads.zero()
-        stage, config, m = self.stage, self.config, self.microbatches
-        tokens, labels = batch(replace(config, b=config.b * m), self.main_grads.buffer.device)
-        valid = (labels != IGNORE_INDEX).sum()
-        # on CUDA one document a row, as the whole model's step has them
-        kwargs = [flex_inputs(self.model, config.b, config.s, tokens.device) if self.cuda else {} for _ in range(m)]
-        losses: list | None = [] if stage.is_last else None
-        _step(self.schedule, [(x,) for x in tokens.tensor_split(m)] if stage.is_first else None, kwargs,
-              list(labels.tensor_split(m)) if stage.is_last else None, losses, {"global_valid_tokens": valid})
+        scheduled_step(self.schedule, self.config, self.microbatches, self.model, self.cuda)
         self.optimizer.step()
+
+
+def scheduled_step(schedule: Any, config: ModelConfig, m: int, model: Any, cuda: bool) -> None:
+    """Every micro-batch's ids and labels (views of the local batch's), their valid tokens counted, on CUDA each
+    micro-batch's positions and block mask (its post_dataloading_process), then the schedule's step over them as
+    torchtitan's trainer calls it (`_step`)."""
+    stage = schedule._stage
+    tokens, labels = batch(replace(config, b=config.b * m), stage.device)
+    valid = (labels != IGNORE_INDEX).sum()
+    # on CUDA one document a row, as the whole model's step has them
+    kwargs = [flex_inputs(model, config.b, config.s, tokens.device) if cuda else {} for _ in range(m)]
+    losses: list | None = [] if stage.is_last else None
+    _step(schedule, [(x,) for x in tokens.tensor_split(m)] if stage.is_first else None, kwargs,
+          list(labels.tensor_split(m)) if stage.is_last else None, losses, {"global_valid_tokens": valid})
 
 
 def _step(schedule: Any, args: list | None, kwargs: list[dict], targets: list | None, losses: list | None,
@@ -101,17 +106,9 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, strategy: S
     router forced to `route`), its PipelineStage on the pipeline's group given the shapes it sends and receives, the
     schedule torchtitan builds, memcalc's trainer around it, stepped once."""
     check_route(config, route)
-    pp, dtype = config.pp, DTYPES[config.dtype]
     mesh = None if dims is None else dims.get_mesh("pp")  # the pipeline's ranks (at t = 1 the whole group)
     rank = group.rank if mesh is None else mesh.get_local_rank()
-    parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)
-    with torch.device("meta"), set_default_dtype(dtype):
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size,
-                                   device == "cuda").build()
-    names = pipeline_parallel._generate_llm_fqn_per_model_part(
-        pp, config.L, parallelism.pipeline_parallel_first_stage_less_layers,
-        parallelism.pipeline_parallel_last_stage_less_layers)
-    chunk = pipeline_parallel._split_module(model, names[rank])
+    chunk = _chunk(config, rank, strategy.sequence_parallel, DTYPES[config.dtype], device == "cuda")
     if device == "cuda":  # the chunk's own norms (a deep copy of the model's), fused before its plan wraps them
         shim.fused_norms(chunk)
     if dims is not None:
@@ -121,14 +118,39 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, strategy: S
     if config.moe:
         shim.route_gates(chunk, route, config.moe_router_topk, config.ep)
     sequence = config.s // dims.tp if dims is not None and strategy.sequence_parallel else config.s
-    stage = PipelineStage(chunk, rank, pp, group.device, *_shapes(config, chunk, rank, sequence),
+    loss, schedule = _scheduled(chunk, config, rank, group.device, mesh, sequence)
+    return StageTrainer.around(config, chunk, loss, schedule=schedule, stage=schedule._stage,
+                               microbatches=torchtitan_microbatches(config), cuda=device == "cuda")
+
+
+def _parallelism(config: ModelConfig) -> ParallelismConfig:
+    """torchtitan's pipeline settings: pp stages, micro-batches of b (its other settings its defaults)."""
+    return ParallelismConfig(pipeline_parallel_degree=config.pp, pipeline_parallel_microbatch_size=config.b)
+
+
+def _chunk(config: ModelConfig, rank: int, sequence_parallel: bool, dtype: Any, flex: bool = False) -> Any:
+    """The chunk of Llama3Model (built on the meta device in `dtype`, with flex attention as CUDA runs it) that
+    torchtitan's pipeline_llm keeps on stage `rank`: its own _generate_llm_fqn_per_model_part and _split_module."""
+    parallelism = _parallelism(config)
+    with torch.device("meta"), set_default_dtype(dtype):
+        model = titan.model_config(config, sequence_parallel, config.L, config.vocab_size, flex).build()
+    names = pipeline_parallel._generate_llm_fqn_per_model_part(
+        config.pp, config.L, parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers)
+    return pipeline_parallel._split_module(model, names[rank])
+
+
+def _scheduled(chunk: Any, config: ModelConfig, rank: int, device: Any, mesh: Any, sequence: int
+               ) -> tuple[Any, Any]:
+    """torchtitan's loss, and the schedule it builds around `chunk`'s PipelineStage on the pipeline's ranks (`mesh`,
+    None for the whole group), given the shapes it sends and receives (of `sequence` tokens a row)."""
+    stage = PipelineStage(chunk, rank, config.pp, device, *_shapes(config, chunk, rank, sequence),
                           group=None if mesh is None else mesh.get_group())
-    m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
-                                                          stages=[stage], loss_fn=loss)
-    return StageTrainer.around(config, chunk, loss, schedule=schedule, stage=stage, microbatches=m,
-                               cuda=device == "cuda")
+    schedule = pipeline_parallel._build_pipeline_schedule(
+        parallelism=_parallelism(config), local_batch_size=config.b * torchtitan_microbatches(config), stages=[stage],
+        loss_fn=loss)
+    return loss, schedule
 
 
 def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[Any, Any]:
@@ -142,3 +164,66 @@ def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[
     sent = torch.empty(b, s, chunk.lm_head.weight.shape[0], dtype=dtype, device="meta", requires_grad=True) \
         if rank == config.pp - 1 else hidden
     return received, sent
+
+
+def measure_torchtitan_pp_fsdp_step_on_rank(group: TensorParallelGroup, config: ModelConfig,
+                                            strategy: Strategy) -> StepMeasurement:
+    """This rank's pipeline stage of torchtitan's Llama3Model under FSDP2 (the group is the pp x dp_shard world, this
+    process the stage's first dp_shard rank): the chunk pipeline_llm builds there, laid out by torchtitan's own
+    parallelize_llama as its parallelize_fn lays out each chunk, stepped once, then one step measured by
+    FSDPMemTracker (memcalc.probe.libs.hf_fsdp). Under pp torchtitan's "default" reshard policy keeps each unit
+    unsharded after forward, and torch's schedule keeps the units unsharded and their gradients unreduced through every
+    micro-batch's backward (set_requires_gradient_sync(False)), reduce-scattering them once at the step's end
+    (perform_reduce_grad): docs/timeline.md, "torchtitan's pipeline"."""
+    from memcalc.probe.libs.hf_fsdp import measure_sharded
+
+    with sharded_pipeline_runtime(group, config, strategy) as dims:
+        return measure_sharded(warmed_up_sharded_stage(group, config, strategy, dims), group, strategy)
+
+
+@contextmanager
+def sharded_pipeline_runtime(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Any]:
+    """The pipeline's runtime on the fake group (the shim's `pipeline_on_fake_group`) and torchtitan's meshes over
+    the pp x dp_shard world (torchtitan_step.data_parallel): the ParallelDims."""
+    with shim.pipeline_on_fake_group(), data_parallel(group, config, strategy) as dims:
+        yield dims
+
+
+@dataclass(frozen=True)
+class ShardedStageTrainer:
+    """One pipeline stage's chunk under FSDP2 with AdamW (fused) over its shards: each step runs the schedule
+    (`scheduled_step`), steps, and zeroes the sharded gradients in place (its trainer's
+    zero_grad(set_to_none=False))."""
+
+    config: ModelConfig
+    model: Any
+    optimizer: Any
+    schedule: Any
+    microbatches: int
+
+    def step(self) -> None:
+        scheduled_step(self.schedule, self.config, self.microbatches, self.model, False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def register(self, tracker: Any) -> None:
+        """The stage's receive buffers (StageTrainer.register); FSDPMemTracker registers the shards and states."""
+        stage = self.schedule._stage
+        infos = (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        tracker.track_held(*(x.buffer for recv in infos for x in recv if getattr(x, "buffer", None) is not None))
+
+
+def warmed_up_sharded_stage(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                            dims: Any) -> ShardedStageTrainer:
+    """This rank's stage (inside `sharded_pipeline_runtime`, its `dims`): the chunk (built in fp32, torchtitan's
+    training.dtype) sharded by parallelize_llama over `dims`'s dp_shard ranks, in its PipelineStage on the pipeline's
+    ranks, stepped once."""
+    mesh = dims.get_mesh("pp")
+    chunk = _chunk(config, mesh.get_local_rank(), strategy.sequence_parallel, torch.float32)
+    parallelized(chunk, config, dims, group.device)
+    chunk.train()
+    _, schedule = _scheduled(chunk, config, mesh.get_local_rank(), group.device, mesh, config.s)
+    optimizer = torch.optim.AdamW(chunk.parameters(), lr=1e-4, fused=True)
+    trainer = ShardedStageTrainer(config, chunk, optimizer, schedule, torchtitan_microbatches(config))
+    trainer.step()
+    return trainer

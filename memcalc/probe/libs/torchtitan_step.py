@@ -123,7 +123,8 @@ def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelC
 
 @contextmanager
 def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Any]:
-    """torchtitan's ParallelDims over the fake group's world (dp_replicate x dp_shard x cp x t, this process rank 0),
+    """torchtitan's ParallelDims over the fake group's world (pp x dp_replicate x dp_shard x cp x t; this process rank
+    0, or under pp a stage's first rank: memcalc.probe.libs.torchtitan_pp),
     its meshes built and current while inside, as in its trainer's train_context; on its "partial_dtensor" backend,
     the one torch 2.13's fully_shard takes (docs/probe.md, "torchtitan's model under `--step`")."""
     from torchtitan.distributed import utils as dist_utils
@@ -132,7 +133,7 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
     t = config.t if strategy.tensor_parallel else 1
     replicas = config.dp_replicate or 1
     backend = "partial_dtensor"
-    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=config.cp, tp=t, pp=1, ep=1,
+    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=config.cp, tp=t, pp=config.pp, ep=1,
                         world_size=tp.size, spmd_backend=backend)
     before = dist_utils.get_spmd_backend()
     dist_utils.set_spmd_backend(backend)  # the runtime's, which torchtitan's loss reads
@@ -152,28 +153,34 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     training.dtype), laid out by torchtitan's own parallelize_llama, AdamW (fused) over the shards, zeroed in place
     (its trainer's zero_grad(set_to_none=False)), stepped once (docs/probe.md, "torchtitan's model under `--step`");
     on `device` cuda as `warmed_up` runs it."""
-    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.llama3.parallelize import parallelize_llama
-
     from memcalc.probe.libs.hf_fsdp import ShardedTrainer
 
-    backend = dims.spmd_backend
     cuda = device == "cuda"  # as `warmed_up` runs it (inside flex_on_cpu)
     model = on_meta(config, strategy.sequence_parallel, route, cuda, torch.float32)
-    precision = {"bf16": "bfloat16", "fp32": "float32"}
-    training = TrainingConfig(mixed_precision_param=precision[config.dtype],
-                              mixed_precision_reduce=precision[config.reduce_dtype])
-    parallelism = ParallelismConfig(spmd_backend=backend,
-                                    fsdp_reshard_after_forward="default" if config.reshard_after_forward else "never")
-    with shim.cuda_like_op_checkpointing():
-        parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=titan.ac_config(config),
-                          dump_folder="", training=training, parallelism=parallelism)
-    model.to_empty(device=tp.device)
-    torch.manual_seed(BATCH_SEED)
-    with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are
-        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
-        model.init_states(buffer_device=tp.device)
+    parallelized(model, config, dims, tp.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     trainer = ShardedTrainer(config, model, optimizer, _forward(model, config, route, cuda), set_to_none=False)
     trainer.step()
     return trainer
+
+
+def parallelized(model: Any, config: ModelConfig, dims: Any, device: torch.device) -> None:
+    """`model` (the whole model, or a pipeline stage's chunk) laid out by torchtitan's own parallelize_llama over
+    `dims` (TP, activation checkpointing, FSDP2 with its reshard policy: "default", which under pp, `dims`'s, is
+    "never", or "never"), then given its own storage and initialised."""
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    precision = {"bf16": "bfloat16", "fp32": "float32"}
+    training = TrainingConfig(mixed_precision_param=precision[config.dtype],
+                              mixed_precision_reduce=precision[config.reduce_dtype])
+    policy = "default" if config.reshard_after_forward else "never"
+    layout = ParallelismConfig(spmd_backend=dims.spmd_backend, fsdp_reshard_after_forward=policy)
+    with shim.cuda_like_op_checkpointing():
+        parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=titan.ac_config(config),
+                          dump_folder="", training=training, parallelism=layout)
+    model.to_empty(device=device)
+    torch.manual_seed(BATCH_SEED)
+    with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
+        model.init_states(buffer_device=device)

@@ -156,7 +156,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        # the probe runs a stage on a fake group of pp x t ranks (memcalc.probe.libs.torchtitan_pp), without FSDP2
+        # the probe measures a stage on a pp x dp_shard mesh of the fake group (memcalc.probe.libs.torchtitan_pp,
+        # measure_torchtitan_pp_fsdp_step_on_rank); tests/probe/libs/test_torchtitan_pp_fsdp.py pins what a walk must do
         (config.pp > 1 and config.dp_shard is not None,
          "pp with dp_shard (FSDP2 on each stage's chunk: under pp its units stay unsharded after forward, and torch's"
          " schedule keeps them and their unreduced gradients through every micro-batch's backward, reduce-scattered"
