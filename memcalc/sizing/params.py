@@ -74,7 +74,7 @@ class Param(NamedTuple):
 PARTS = ("first", "dense", "moe", "last")  # with the embedding, a dense layer, a MoE layer, with the output layer
 
 
-class Ends(NamedTuple):
+class EndModules(NamedTuple):
     """An implementation's modules at the model's two ends, by their paths in the inventory (`part`)."""
 
     word: str  # the word table
@@ -83,7 +83,7 @@ class Ends(NamedTuple):
     head: str  # the output layer (tied with one stage: no parameter of its own, the word table's)
 
 
-def end_modules(c: ModelConfig) -> Ends:
+def end_modules(c: ModelConfig) -> EndModules:
     """The modules at the two ends of `c`'s implementation (the paper's model: megatron-core's)."""
     return _PARTS.get(c.impl, _PARTS["megatron"])[2]
 
@@ -344,9 +344,9 @@ def _torchtitan_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
 # output layer (megatron's for the paper's model). transformers' embed_tokens: v/t rows under tp (rank 0 of an uneven
 # DTensor holds the most); torchtitan's tied lm_head is tok_embeddings' weight (it refuses tied embeddings with pp).
 _PARTS = {
-    "megatron": (megatron_layer_params, "decoder.layers.0", Ends("embedding.word_embeddings",
+    "megatron": (megatron_layer_params, "decoder.layers.0", EndModules("embedding.word_embeddings",
                                                                 "embedding.position_embeddings",
                                                                 "decoder.final_layernorm", "output_layer")),
-    "hf": (hf_layer_params, "model.layers.0", Ends("model.embed_tokens", "model.wpe", "model.norm", "lm_head")),
-    "torchtitan": (torchtitan_layer_params, "layers.0", Ends("tok_embeddings", None, "norm", "lm_head")),
+    "hf": (hf_layer_params, "model.layers.0", EndModules("model.embed_tokens", "model.wpe", "model.norm", "lm_head")),
+    "torchtitan": (torchtitan_layer_params, "layers.0", EndModules("tok_embeddings", None, "norm", "lm_head")),
 }

@@ -19,7 +19,7 @@ from typing import NamedTuple, overload
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.params import Ends, end_modules, layer_elements, part, vocab_shard
+from memcalc.sizing.params import EndModules, end_modules, layer_elements, part, vocab_shard
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
@@ -216,9 +216,10 @@ class Sizes:
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
     cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
     # torchtitan's pipeline under SP: a stage's received input and its sent output's gradient are its (b, s/t, h)
-    # receive buffers, whose layout the residual stream (`received`) and its gradient (`sent`) keep on that stage
-    received: bool = False
-    sent: bool = False
+    # receive buffers, whose layout the residual stream (`stage_receives`) and its gradient (`stage_sends`) keep on
+    # that stage
+    stage_receives: bool = False
+    stage_sends: bool = False
     config: ModelConfig | None = None  # whose inventory (memcalc.sizing.params) `weight` reads
 
     @classmethod
@@ -243,7 +244,7 @@ class Sizes:
         return (width or self.act) * (elements.get(f"{module}.bias", 0) if bias else elements[module])
 
     @property
-    def ends(self) -> Ends:
+    def ends(self) -> EndModules:
         """The modules at the model's two ends, by their paths in the inventory (`weight` reads them)."""
         return end_modules(self.config)
 

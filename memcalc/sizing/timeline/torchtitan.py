@@ -51,7 +51,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
     # under FSDP2 its TP plan runs on DTensor (memcalc.probe.libs.torchtitan_step.data_parallel)
     z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda",
-                received=not stage.has_embedding, sent=not stage.has_output)
+                stage_receives=not stage.has_embedding, stage_sends=not stage.has_output)
     tape = Tape()
     fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
     if fsdp is None:
@@ -279,8 +279,8 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
     weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
     # its input is spmd_types' reduce-scatter's (s/t, b, h) output seen as (b, s/t, h), not contiguous (DTensor's
     # reduce-scatter along s makes (b, s/t, h) itself; a pipeline stage's received input is its (b, s/t, h) receive
-    # buffer, whose layout every residual sum on the stage keeps: `Sizes.received`)
-    if z.sp and z.b > 1 and not z.dtensor and not z.received:
+    # buffer, whose layout every residual sum on the stage keeps: `Sizes.stage_receives`)
+    if z.sp and z.b > 1 and not z.dtensor and not z.stage_receives:
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
@@ -396,8 +396,8 @@ def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -
     made contiguous (f"{g} dY"): a copy, but at b = 1, where the (b, s/t, h) view of the (s/t, b, h) shard is
     contiguous already, on DTensor, whose shard is (b, s/t, h) itself, on CUDA, where the residual stream's
     gradient is the fused norm's contiguous dX, summed into in place, and on a pipeline stage that sends its output,
-    where the stream's gradient is its receive buffer's layout (`Sizes.sent`)."""
-    copy = () if z.b == 1 or z.dtensor or z.cuda or z.sent else (
+    where the stream's gradient is its receive buffer's layout (`Sizes.stage_sends`)."""
+    copy = () if z.b == 1 or z.dtensor or z.cuda or z.stage_sends else (
         Step("dY made contiguous", (Made(f"{g} dY", z.seq(z.h), "this rank's shard"),)),)
     return (*copy, *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z,
                                 "concatenated along s: dY whole", (f"{g} dY", *frees)))
@@ -770,7 +770,8 @@ def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
         return (
             Step("labels != IGNORE_INDEX", (Made(f"{p}/valid", n, "bool"),)),
             Step("0 as a tensor", (Made(f"{p}/zero", 8, "0-d int64"),)),
-            Step("where: the safe labels", (Made(f"{p}/safe labels", ids, "int64"),), frees=(f"{p}/valid", f"{p}/zero")),
+            Step("where: the safe labels", (Made(f"{p}/safe labels", ids, "int64"),),
+                 frees=(f"{p}/valid", f"{p}/zero")),
             Step("labels < the rank's first column", (Made(f"{p}/lt", n, "bool"),)),
             Step("labels >= its last", (Made(f"{p}/ge", n, "bool"),)),
             Step("out of range: either", (Made(f"{p}/out of range", n, "bool"),), frees=(f"{p}/lt", f"{p}/ge")),

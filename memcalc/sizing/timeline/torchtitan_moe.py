@@ -316,6 +316,6 @@ def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[
         # at ep > 1 routed_experts' local_map hands its body dY contiguous, before any node of it unpacks what it
         # saved: the residual stream's gradient, the (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied
         # but at b = 1 and on a pipeline stage that sends its output, where it is its receive buffer's layout
-        *(() if local or z.b == 1 or z.sent else (Op("moe.routed_experts", forward=(), backward=(
+        *(() if local or z.b == 1 or z.stage_sends else (Op("moe.routed_experts", forward=(), backward=(
             Step("dY made contiguous at routed_experts' boundary", (Made(f"{g}/dY copy", full, "bf16"),)),)),)),
     )
