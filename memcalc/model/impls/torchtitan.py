@@ -1,4 +1,5 @@
-"""torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
+"""torchtitan: what its Llama3 TransformerBlock (with qk_layernorm its Qwen3's) keeps for backward, under its own TP
+plan.
 
 Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
 RoPE's table, gathered on CUDA), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
@@ -401,7 +402,9 @@ IMPLEMENTATION = Implementation(
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
-    " all-to-all dispatcher over the TP ranks)",
+    " all-to-all dispatcher over the TP ranks); with qk_layernorm its Qwen3TransformerBlock (q_norm and k_norm on"
+    " each head, heads of kv_channels, CosSinRoPE) under set_qwen3_sharding_config at t = 1, tp and tp-sp, dense"
+    " and with experts",
     keeps=keeps,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types

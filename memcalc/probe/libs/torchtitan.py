@@ -1,4 +1,4 @@
-"""Run torchtitan's own Llama3 block under its own TP plan, and name what it keeps by the ledger.
+"""Run torchtitan's own Llama3 (or Qwen3) block under its own TP plan, and name what it keeps by the ledger.
 
 The block, its TP plan and activation checkpointing, and how its tensors are named: docs/probe.md, "torchtitan's own
 block".
