@@ -32,8 +32,9 @@ def _rmsnorm(prefix: str, before: str, rows: tuple[Dim, ...] = (Dim.B, Dim.S), w
     """The tensors of the nn.RMSNorm in front of `before`, one row of `width` channels per `rows` entry: CUDA's fused
     kernel keeps `input` and `rstd`, CPU's composite `input_fp32`, `rstd` and `normed_fp32`. `prefix` is a block
     ("ln1": ln1/input) or a block and a stem ("attention/q_norm_": attention/q_norm_input), as ledger._norm's."""
-    by, stem, shape = f"nn.RMSNorm before {before}: torch.rms_norm ->", prefix if "/" in prefix else f"{prefix}/", \
-        (*rows, width)
+    by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
+    stem = prefix if "/" in prefix else f"{prefix}/"
+    shape = (*rows, width)
     return RMSNormTensors(
         input=SavedTensor(f"{stem}input", f"{by} {_FUSED}", shape, Kind.ACTIVATION, region, ledger.WHY_NORM_INPUT),
         rstd=SavedTensor(
@@ -83,8 +84,8 @@ ROPE_CACHE = SavedTensor(
     "q's and k's complex products read the table for their gradients: gathered per token, it is a tensor of its own,"
     " not a view of the buffer", paper=False,
 )
-_WHY_COS_SIN = "q's and k's products with the table read it for their gradients: gathered per token, it is a tensor of" \
-    " its own, (b, s, 2d) fp32 (cos | sin), not a view of the buffer; each product keeps its half"
+_WHY_COS_SIN = ("q's and k's products with the table read it for their gradients: gathered per token, it is a tensor"
+                " of its own, (b, s, 2d) fp32 (cos | sin), not a view of the buffer; each product keeps its half")
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "CosSinRoPE (Qwen3) given the trainer's positions (CUDA's flex path): the cos half of its"
     " table gathered at them, kept by query.float() * cos and key.float() * cos", (Dim.B, Dim.S, Dim.D), Kind.FP32,
@@ -366,6 +367,7 @@ def _copied(sizes: dict[Any, Any], t: Any) -> Any:
 
 
 def _qwen3(knobs: Any) -> bool:
+    """torchtitan's Qwen3 block (qk_layernorm)."""
     return bool(knobs.qk_layernorm)
 
 
@@ -409,8 +411,7 @@ IMPLEMENTATION = Implementation(
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
     tensors=(*LN1, *LN2, *Q_NORM, *K_NORM, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, ROPE_COS, ROPE_SIN,
-             V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
-             MOE_TOPK_VALUES),
+             V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT, MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
     check_sizes=check_sizes,

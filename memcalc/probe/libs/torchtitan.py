@@ -84,13 +84,7 @@ def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, v
     Qwen3's dense one (heads of kv_channels, q_norm and k_norm, CosSinRoPE): its attention as `model_config` says,
     the ends Llama3's (their initialisation does not change what is kept), TP plan filled in."""
     qwen3 = config.qk_layernorm
-    build, rope = (_build_qwen3_layers, CosSinRoPE.Config(dim=config.head_dim, max_seq_len=config.s,
-                                                          theta=QWEN3_ROPE_THETA)) if qwen3 else \
-        (_build_llama3_layers, ComplexRoPE.Config(dim=config.head_dim, max_seq_len=config.s, theta=ROPE_THETA,
-                                                  scaling="llama"))
-    heads = {"head_dim": config.head_dim} if qwen3 else {}
-    blocks = build(n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
-                   rope=rope, fuse_qkv=True, attn_backend="flex", **heads)
+    blocks = _blocks(config, layers)
     for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     tied = config.tie_embeddings  # as its 1B and 3B flavours: the table is lm_head's weight, initialised as lm_head's
@@ -107,6 +101,18 @@ def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, v
     else:
         set_llama3_sharding_config(model, enable_sp=sequence_parallel)
     return model
+
+
+def _blocks(config: ModelConfig, layers: int) -> list[Any]:
+    """`layers` dense block configs from torchtitan's own builder: Llama3's (ComplexRoPE), or with qk_layernorm
+    Qwen3's (heads of kv_channels, q_norm and k_norm, CosSinRoPE)."""
+    sizes = {"n_layers": layers, "dim": config.h, "n_heads": config.a, "n_kv_heads": config.groups,
+             "hidden_dim": config.ffn, "fuse_qkv": True, "attn_backend": "flex"}
+    if config.qk_layernorm:
+        rope = CosSinRoPE.Config(dim=config.head_dim, max_seq_len=config.s, theta=QWEN3_ROPE_THETA)
+        return _build_qwen3_layers(**sizes, head_dim=config.head_dim, rope=rope)
+    rope = ComplexRoPE.Config(dim=config.head_dim, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama")
+    return _build_llama3_layers(**sizes, rope=rope)
 
 
 def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
