@@ -94,14 +94,20 @@ def test_q_k_v_and_the_projection_are_a_d_wide_and_the_qk_norms_d_wide_per_layer
 
 
 @pytest.mark.parametrize("impl, knobs, words", [
-    ("torchtitan", {"qk_layernorm": True}, "impl torchtitan: qk_layernorm is its Qwen3 model's"),
-    ("torchtitan", {"kv_channels": 16}, "impl torchtitan: kv_channels is its Qwen3 model's"),
+    ("torchtitan", {"kv_channels": 16}, "impl torchtitan: kv_channels 16 .* its Qwen3 model's head_dim, whose"
+     " attention has q_norm and k_norm; set qk_layernorm"),
     ("megatron", {"qk_layernorm": True, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                   "v_head_dim": 4}, "qk_layernorm with kv_lora_rank"),
 ])
 def test_what_an_implementation_does_not_model_is_refused_by_name(impl, knobs, words):
     with pytest.raises(ConfigError, match=words):
         build_config(SIZES | {"impl": impl} | knobs)
+
+
+@pytest.mark.parametrize("knobs", [{"qk_layernorm": True}, {"qk_layernorm": True, "kv_channels": 16}])
+def test_torchtitans_qwen3_attention_is_accepted_with_heads_of_h_over_a_or_of_kv_channels(knobs):
+    config = build_config(SIZES | {"impl": "torchtitan"} | knobs)
+    assert config.qk_layernorm and config.head_dim == knobs.get("kv_channels", config.h // config.a)
 
 
 @pytest.mark.parametrize("knobs", [{"kv_channels": 5}, {"kv_channels": 3}, {"kv_channels": 1}, {"h": 20, "kv_channels": None}])

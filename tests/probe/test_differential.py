@@ -84,6 +84,12 @@ _TORCHTITAN = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "ful
 _TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)),
                          recompute=st.sampled_from(("none", "op", "full")),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 16)))
+# torchtitan's Qwen3 (qk_layernorm): heads of h/a or of an even kv_channels of their own (its RoPE rotates pairs)
+_TORCHTITAN_QWEN3 = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "full")),
+                           kv_channels=st.sampled_from((None, 4, 10)))
+_TORCHTITAN_QWEN3_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)),
+                               recompute=st.sampled_from(("none", "op", "full")),
+                               kv_channels=st.sampled_from((None, 4, 10)))
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                    recompute=st.sampled_from(("none", "full")))
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
@@ -122,6 +128,9 @@ SUBJECTS = (
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
     Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "num_experts": 4},
             _TORCHTITAN_MOE, moe=True, align=8),
+    Subject("torchtitan qwen3", "torchtitan", {"impl": "torchtitan", "qk_layernorm": True}, _TORCHTITAN_QWEN3),
+    Subject("torchtitan qwen3 moe", "torchtitan", {"impl": "torchtitan", "qk_layernorm": True, "num_experts": 4},
+            _TORCHTITAN_QWEN3_MOE, moe=True, align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="llama"),
     Subject("hf mistral", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="mistral"),
     Subject("hf qwen2", "transformers", {"impl": "hf", "add_qkv_bias": True} | LLAMA, _HF_LLAMA, family="qwen2"),

@@ -1,4 +1,5 @@
-"""torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
+"""torchtitan: what its Llama3 TransformerBlock (with qk_layernorm its Qwen3's) keeps for backward, under its own TP
+plan.
 
 Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
 RoPE's table, gathered on CUDA), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
@@ -26,24 +27,28 @@ _WHY_GATHERED = (
 )
 
 
-def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
-    """The tensors of the nn.RMSNorm in front of `before`: CUDA's fused kernel keeps `input` and `rstd`, CPU's
-    composite `input_fp32`, `rstd` and `normed_fp32`."""
+def _rmsnorm(prefix: str, before: str, rows: tuple[Dim, ...] = (Dim.B, Dim.S), width: Dim = Dim.H,
+             region: Region = _SEQ) -> RMSNormTensors:
+    """The tensors of the nn.RMSNorm in front of `before`, one row of `width` channels per `rows` entry: CUDA's fused
+    kernel keeps `input` and `rstd`, CPU's composite `input_fp32`, `rstd` and `normed_fp32`. `prefix` is a block
+    ("ln1": ln1/input) or a block and a stem ("attention/q_norm_": attention/q_norm_input), as ledger._norm's."""
     by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
+    stem = prefix if "/" in prefix else f"{prefix}/"
+    shape = (*rows, width)
     return RMSNormTensors(
-        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
+        input=SavedTensor(f"{stem}input", f"{by} {_FUSED}", shape, Kind.ACTIVATION, region, ledger.WHY_NORM_INPUT),
         rstd=SavedTensor(
-            f"{prefix}/rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
-            (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
+            f"{stem}rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
+            rows, Kind.FP32, region, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
         ),
         input_fp32=SavedTensor(
-            f"{prefix}/input_fp32", f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and"
-            " x * rstd", BSH, Kind.FP32, _SEQ,
+            f"{stem}input_fp32", f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and"
+            " x * rstd", shape, Kind.FP32, region,
             "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
         ),
         normed_fp32=SavedTensor(
-            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", BSH,
-            Kind.FP32, _SEQ, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
+            f"{stem}normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", shape,
+            Kind.FP32, region, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
         ),
     )
 
@@ -51,6 +56,10 @@ def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
 LN1 = _rmsnorm("ln1", "attention")
 LN2 = _rmsnorm("ln2", "the feed-forward")
 FINAL_NORM = _rmsnorm("final_norm", "lm_head")  # the model's end (memcalc.sizing.timeline.torchtitan)
+# Qwen3's GQAttention (qk_norm): an nn.RMSNorm on each query and key head's d channels, between FusedQKVLinear's
+# contiguous q and k and RoPE; its plan (set_qwen3_sharding_config) keeps them on the heads TP splits (S(2)).
+Q_NORM = _rmsnorm("attention/q_norm_", "RoPE, on each query head", (Dim.B, Dim.S, Dim.A), Dim.D, Region.TENSOR)
+K_NORM = _rmsnorm("attention/k_norm_", "RoPE, on each key head", (Dim.B, Dim.S, Dim.G), Dim.D, Region.TENSOR)
 
 QKV_IN = SavedTensor(
     "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", BSH,
@@ -75,6 +84,15 @@ ROPE_CACHE = SavedTensor(
     "q's and k's complex products read the table for their gradients: gathered per token, it is a tensor of its own,"
     " not a view of the buffer", paper=False,
 )
+_WHY_COS_SIN = ("q's and k's products with the table read it for their gradients: gathered per token, it is a tensor"
+                " of its own, (b, s, 2d) fp32 (cos | sin), not a view of the buffer; each product keeps its half")
+ROPE_COS = SavedTensor(
+    "attention/rope_cos", "CosSinRoPE (Qwen3) given the trainer's positions (CUDA's flex path): the cos half of its"
+    " table gathered at them, kept by query.float() * cos and key.float() * cos", (Dim.B, Dim.S, Dim.D), Kind.FP32,
+    Region.REPLICATED, _WHY_COS_SIN, paper=False,
+)
+ROPE_SIN = replace(ROPE_COS, name="attention/rope_sin", saved_by="CosSinRoPE (Qwen3) given the trainer's positions:"
+                   " the sin half of its gathered table, kept by rotate_half(query.float()) * sin and the key's")
 SHARED_FC2_OUT = replace(
     FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
     why="op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
@@ -170,12 +188,16 @@ def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTenso
     return (norm.input_fp32, norm.rstd, norm.normed_fp32)
 
 
-def attention_block(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The gathered wqkv input, (on CUDA RoPE's gathered table,) Q and K after RoPE, V, the kernel's log-sum-exp,
-    its output (wo's input). torch.compile'd flex attention keeps what SDPA's flash kernel keeps: its row maxima are
-    made but not saved (AOTAutograd saves what flex_attention_backward reads: q, k, v, out, lse, the block mask's)."""
-    rope = (ROPE_CACHE,) if accounting.device == "cuda" else ()
-    return (QKV_IN, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
+def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The gathered wqkv input, (Qwen3's, qk_layernorm: the q and k norms,) (on CUDA RoPE's gathered table,) Q and K
+    after RoPE, V, the kernel's log-sum-exp, its output (wo's input). torch.compile'd flex attention keeps what SDPA's
+    flash kernel keeps: its row maxima are made but not saved (AOTAutograd saves what flex_attention_backward reads:
+    q, k, v, out, lse, the block mask's). Qwen3's CosSinRoPE multiplies in fp32 by its table, keeping only that: the
+    norms' outputs are upcast (.float()) before the products, which keep their other factor, the table."""
+    norms = norm_block(Q_NORM, accounting) + norm_block(K_NORM, accounting) if knobs.qk_layernorm else ()
+    table = (ROPE_COS, ROPE_SIN) if knobs.qk_layernorm else (ROPE_CACHE,)
+    rope = table if accounting.device == "cuda" else ()
+    return (QKV_IN, *norms, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
 
 
 def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
@@ -211,7 +233,7 @@ def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     # a FeedForward: the gathered w1/w3 input, SiLU's input, both factors of the product, w2's input
     mlp = moe_block(knobs) if knobs.moe else (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT,
                                               ledger.FC2_IN)
-    blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
+    blocks = norm_block(LN1, accounting) + attention_block(knobs, accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
 
 
@@ -239,9 +261,10 @@ def check(knobs: Any) -> None:
     if knobs.mla:
         raise ConfigError("impl torchtitan: its DeepSeek-V3 latent attention is not modelled yet; use impl megatron"
                           " or hf for kv_lora_rank")
-    if knobs.head_dim_set or knobs.qk_layernorm:
-        raise ConfigError(f"impl torchtitan: {'kv_channels' if knobs.head_dim_set else 'qk_layernorm'} is its Qwen3"
-                          " model's (head_dim, q_norm and k_norm), not modelled yet; use impl megatron or hf")
+    if knobs.head_dim_set and not knobs.qk_layernorm:
+        raise ConfigError(f"impl torchtitan: kv_channels {knobs.kv_channels} (heads not h/a wide) is its Qwen3 model's"
+                          " head_dim, whose attention has q_norm and k_norm; set qk_layernorm (Qwen3), or leave"
+                          " kv_channels unset (Llama3)")
 
 
 # MoE knob values torchtitan's MoE block does not have (or memcalc has not measured), each with the reason.
@@ -293,7 +316,11 @@ EP_WITHOUT_TP = Refusal(
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm's whole 16-byte strides (`check_grouped_mm`) for each rank's expert width: e/t under TP at
     ep = 1, whole under ep = t. Under SelectiveAC, no matmul of a MoE block with the router gate's (h, E) weight
-    (`_gate_shaped`)."""
+    (`_gate_shaped`). Qwen3's CosSinRoPE on heads of even width."""
+    if config.qk_layernorm and config.head_dim % 2:
+        raise ConfigError(f"impl torchtitan: its Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) ="
+                          f" {config.head_dim - 1} wide: d = {config.head_dim} is odd (a RuntimeError); use an even"
+                          " kv_channels")
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
     f, shards = config.expert_ffn // config.t, (config.dp_shard or 1) * config.cp
@@ -331,13 +358,37 @@ def _gate_shaped(config: Any) -> tuple[str, ...]:
 V_IN_QKV_OUT = in_pair("attention/v_qkv_view", "SDPA: V, passed as a view of the fused wqkv output",
                        (Dim.B, Dim.S, Dim.QKV, Dim.D),
                        "the kernel keeps V as passed; a view keeps its base, the whole fused output, alive")
+
+
+def _copied(sizes: dict[Any, Any], t: Any) -> Any:
+    """Whether FusedQKVLinear's .contiguous() on a (b, s, heads, d) view of its fused output copies: unless b = s = 1
+    with one K/V group per rank (g = t), where the view is contiguous already."""
+    return (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1)
+
+
+def _qwen3(knobs: Any) -> bool:
+    """torchtitan's Qwen3 block (qk_layernorm)."""
+    return bool(knobs.qk_layernorm)
+
+
+def _qwen3_fp32(knobs: Any) -> bool:
+    """Qwen3's norms in fp32, where the composite's upcast input.to(float32) is the input itself."""
+    return bool(knobs.qk_layernorm) and knobs.dtype == "fp32"
+
+
 CONDITIONS = (
     SizeCondition(
         ledger.V, "FusedQKVLinear splits the (b, s, g, a/g + 2, d) wqkv output and calls .contiguous() on V's"
         " (b, s, g, d) view, which copies unless the view is already contiguous: at b = s = 1 with one K/V group per"
         " rank (g = t) it is, so SDPA keeps the view, and with it the whole fused output",
-        kept=lambda sizes, t: (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1), instead=(V_IN_QKV_OUT,),
+        kept=_copied, instead=(V_IN_QKV_OUT,),
     ),
+    *(SizeCondition(
+        norm_input, "Qwen3's q and k are FusedQKVLinear's .contiguous() copies of their (b, s, heads, d) views, except"
+        " at b = s = 1 with one K/V group per rank (g = t), where the views are contiguous already: the norm then"
+        " keeps a view of the whole fused output, which V's view keeps too", kept=_copied, applies=applies,
+    ) for norm_input, applies in ((Q_NORM.input, _qwen3), (K_NORM.input, _qwen3), (Q_NORM.input_fp32, _qwen3_fp32),
+                                  (K_NORM.input_fp32, _qwen3_fp32))),
     SizeCondition(
         MOE_PERMUTED_INDICES, "AllToAllTokenDispatcher reorders the slots it receives only with experts on other"
         " ranks (ep > 1, fewer than E here); at ep = 1 it dispatches locally",
@@ -353,12 +404,14 @@ IMPLEMENTATION = Implementation(
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
-    " all-to-all dispatcher over the TP ranks)",
+    " all-to-all dispatcher over the TP ranks); with qk_layernorm its Qwen3TransformerBlock (q_norm and k_norm on"
+    " each head, heads of kv_channels, CosSinRoPE) under set_qwen3_sharding_config at t = 1, tp and tp-sp, dense"
+    " and with experts",
     keeps=keeps,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
-             MOE_TOPK_VALUES),
+    tensors=(*LN1, *LN2, *Q_NORM, *K_NORM, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, ROPE_COS, ROPE_SIN,
+             V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT, MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
     check_sizes=check_sizes,

@@ -1,4 +1,4 @@
-"""Run torchtitan's own Llama3 block under its own TP plan, and name what it keeps by the ledger.
+"""Run torchtitan's own Llama3 (or Qwen3) block under its own TP plan, and name what it keeps by the ledger.
 
 The block, its TP plan and activation checkpointing, and how its tensors are named: docs/probe.md, "torchtitan's own
 block".
@@ -36,14 +36,15 @@ from torchtitan.distributed import activation_checkpoint  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh, set_spmd_meshes  # noqa: E402
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
 from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
-from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
-from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT  # noqa: E402
+from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers  # noqa: E402
+from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
+from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT, set_qwen3_sharding_config  # noqa: E402
 from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
@@ -52,41 +53,42 @@ route_note = shim.route_note  # measure prints it for --route
 WEIGHT_SEED = 4321
 SPMD_BACKEND = "spmd_types"  # torchtitan's default (ParallelismConfig.spmd_backend)
 ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is kept
+QWEN3_ROPE_THETA = 1000000.0  # its flavours'
 
 
 # -- building the block -----------------------------------------------------------
 
 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
-    """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
-    model = _llama3_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
+    """torchtitan's Llama3 (qk_layernorm: Qwen3) block config at memcalc's sizes, with its TP plan filled in (with
+    experts: its MoE layer)."""
+    model = _decoder_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
     return moe_block_config(config, model.layers[0], sequence_parallel) if config.moe else model.layers[0]
 
 
 def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
                  flex: bool = False) -> Any:
-    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, tied or not), TP plan filled in;
-    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
-    own attention, flex (CUDA's), which the shim runs on a CPU (flex_on_cpu); else the SDPA stand-in (flex has no
-    CPU backward)."""
-    model = _llama3_config(config, sequence_parallel, layers, vocab_size, flex)
+    """torchtitan's Llama3Model (qk_layernorm: Qwen3Model) config at memcalc's sizes (as its flavours build it, tied
+    or not), TP plan filled in; with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers
+    (`moe_block_config`). `flex`: its own attention, flex (CUDA's), which the shim runs on a CPU (flex_on_cpu); else
+    the SDPA stand-in (flex has no CPU backward)."""
+    model = _decoder_config(config, sequence_parallel, layers, vocab_size, flex)
     model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
     return model
 
 
-def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
-                   flex: bool = False) -> Any:
-    """torchtitan's Llama3Model config, every block Llama3's (its attention as `model_config` says), TP plan
-    filled in."""
-    blocks = _build_llama3_layers(
-        n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
-        rope=_rope(config), fuse_qkv=True, attn_backend="flex",
-    )
+def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
+                    flex: bool = False) -> Any:
+    """torchtitan's Llama3Model config, every block Llama3's, or with qk_layernorm its Qwen3Model's, every block
+    Qwen3's dense one (heads of kv_channels, q_norm and k_norm, CosSinRoPE): its attention as `model_config` says,
+    the ends Llama3's (their initialisation does not change what is kept), TP plan filled in."""
+    qwen3 = config.qk_layernorm
+    blocks = _blocks(config, layers)
     for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     tied = config.tie_embeddings  # as its 1B and 3B flavours: the table is lm_head's weight, initialised as lm_head's
-    model = Llama3Model.Config(
+    model = (Qwen3Model if qwen3 else Llama3Model).Config(
         dim=config.h, vocab_size=vocab_size, layers=blocks, enable_weight_tying=tied,
         norm=RMSNorm.Config(normalized_shape=config.h, param_init=llama3._NORM_INIT),
         tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=config.h,
@@ -94,18 +96,33 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
         lm_head=Linear.Config(in_features=config.h, out_features=vocab_size,
                               param_init=llama3._output_linear_init(config.h)),
     )
-    set_llama3_sharding_config(model, enable_sp=sequence_parallel)
+    if qwen3:
+        set_qwen3_sharding_config(model, enable_sp=sequence_parallel, enable_ep=config.ep > 1)
+    else:
+        set_llama3_sharding_config(model, enable_sp=sequence_parallel)
     return model
+
+
+def _blocks(config: ModelConfig, layers: int) -> list[Any]:
+    """`layers` dense block configs from torchtitan's own builder: Llama3's (ComplexRoPE), or with qk_layernorm
+    Qwen3's (heads of kv_channels, q_norm and k_norm, CosSinRoPE)."""
+    sizes = {"n_layers": layers, "dim": config.h, "n_heads": config.a, "n_kv_heads": config.groups,
+             "hidden_dim": config.ffn, "fuse_qkv": True, "attn_backend": "flex"}
+    if config.qk_layernorm:
+        rope = CosSinRoPE.Config(dim=config.head_dim, max_seq_len=config.s, theta=QWEN3_ROPE_THETA)
+        return _build_qwen3_layers(**sizes, head_dim=config.head_dim, rope=rope)
+    rope = ComplexRoPE.Config(dim=config.head_dim, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama")
+    return _build_llama3_layers(**sizes, rope=rope)
 
 
 def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
     """torchtitan's Qwen3 MoE decoder layer from its own builder (its MoE: the "standard" dispatcher, local at EP=1,
-    and GroupedExperts), with the Llama3 block's attention and norms: its Qwen3 attention's QK norm and head_dim are
-    not modelled. The knobs pick the router and the shared experts, a FeedForward initialised as Llama3's."""
+    and GroupedExperts), with the dense block's attention and norms (Llama3's, or with qk_layernorm Qwen3's own).
+    The knobs pick the router and the shared experts, a FeedForward initialised as the dense block's."""
     layer = _build_qwen3_moe_layers(
-        n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.h // config.a,
+        n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.head_dim,
         moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,
-        attn_backend="flex", moe_comm_backend="standard", rope=_rope(config),
+        attn_backend="flex", moe_comm_backend="standard", rope=llama3.attention.rope,
     )[0]
     layer.attention, layer.attention_norm, layer.ffn_norm = llama3.attention, llama3.attention_norm, llama3.ffn_norm
     layer.moe.router.score_func = str(config.moe_router_score_function)
@@ -119,11 +136,6 @@ def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) 
     set_moe_sharding_config(layer.moe, enable_ep=config.ep > 1, enable_sp=sequence_parallel,
                             expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
     return layer
-
-
-def _rope(config: ModelConfig) -> Any:
-    """Llama3's RoPE config at memcalc's sizes."""
-    return ComplexRoPE.Config(dim=config.h // config.a, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama")
 
 
 def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
@@ -189,6 +201,9 @@ def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 # -- naming what it keeps -----------------------------------------------------------
 
 
+HEAD_NORMS = (("*attention.q_norm", rules.Q_NORM), ("*attention.k_norm", rules.K_NORM))  # Qwen3's, on each head
+
+
 def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
 
@@ -197,11 +212,15 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     its fp32 upcast), except in fp32, where the upcast is the input itself. V is
     named as the rules predict it at these sizes on t ranks (a view at b = s = 1).
     """
-    d = config.h // config.a
+    d = config.head_dim
     predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
     q, k, v = sdpa_inputs("*attention.inner_attention")
-    if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
+    views = rules.V_IN_QKV_OUT in predicted  # V, and Qwen3's q and k, are views of wqkv's output
+    if views:  # the view's base: wqkv's output, (b, s, (a+2g) d)
         v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
+    # Qwen3's q_norm and k_norm: in fp32 their input is kept (as LN1's), unless it is a view of wqkv's output (V's)
+    head_norms = [Rule(module, "rms_norm", norm.input_fp32, arg=0) for module, norm in HEAD_NORMS
+                  if config.dtype == "fp32" and not views]
     wo = Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d))  # the attention kernel's output
     gate = Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0)  # w1's output
     if config.recompute != "none":  # of the MoE's: topk's second output (gather's index), the shared experts' w1's
@@ -216,6 +235,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     return (
         Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)
         Rule("*ffn_norm", "rms_norm", rules.LN2.input_fp32, arg=0),
+        *head_norms,
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
         q, k, v, wo,
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0), gate,
@@ -263,10 +283,10 @@ _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_
 
 
 def aten_rules() -> tuple[Rule, ...]:
-    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm), the attention kernel's log-sum-exp, and the
-    MoE gate's fp32 copies of its weight and input (autocast's)."""
+    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm; Qwen3's q_norm and k_norm too), the attention
+    kernel's log-sum-exp, and the MoE gate's fp32 copies of its weight and input (autocast's)."""
     norms = []
-    for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
+    for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2), *HEAD_NORMS):
         norms += [
             Rule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
             Rule(module, "rsqrt", norm.rstd, view=statistics),

@@ -164,6 +164,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " once at the step's end; pp is walked at t = 1 and under tp and tp-sp, with experts too)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
+        # the layer's tensors are measured (memcalc.model.impls.torchtitan); its ops (the head norms, CosSinRoPE's
+        # rotate_half) are not walked
+        (config.qk_layernorm, "its Qwen3 attention (qk_layernorm: q_norm and k_norm on each head, CosSinRoPE)"),
     ]
     for absent, what in missing:
         if absent:

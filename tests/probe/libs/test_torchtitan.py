@@ -23,6 +23,7 @@ LLAMA3 = {
     "norm": "rmsnorm", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "recompute": "none",
 }
 GQA = {"num_query_groups": 2}
+QWEN3 = {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 2}  # its Qwen3 block: heads of 12, not h/a = 16
 
 
 def _measured(knobs: dict, t: int, strategy: str, mode: str = "fake") -> list:
@@ -60,6 +61,20 @@ CASES = {
         {"b": 1, "s": 1, "num_query_groups": 1}, 1, "none"),
     "b=s=1, tp t=2, one K/V group per rank": ({"b": 1, "s": 1, "num_query_groups": 2}, 2, "tp"),
     "b=s=1, two K/V groups: V is copied": ({"b": 1, "s": 1, "num_query_groups": 2}, 1, "none"),
+    # torchtitan's Qwen3 block (qk_layernorm): q_norm and k_norm on each head's d channels, heads of kv_channels
+    "qwen3, none, b=1, s odd: each head norm's fp32 upcast, rstd and normed input": (QWEN3 | {"b": 1, "s": 13}, 1,
+                                                                                    "none"),
+    "qwen3, tp t=2: the head norms split by heads": (QWEN3 | {"b": 1, "s": 13}, 2, "tp"),
+    "qwen3, tp-sp t=2, three query heads a group": (QWEN3 | {"a": 6, "s": 14}, 2, "tp-sp"),
+    "qwen3, tp-sp t=4, one K/V group per rank": (QWEN3 | {"a": 8, "num_query_groups": 4}, 4, "tp-sp"),
+    "qwen3, heads of h/a": ({"qk_layernorm": True, "b": 1, "s": 7}, 1, "none"),
+    "qwen3, op recompute, tp t=2": (QWEN3 | {"recompute": "op", "s": 13}, 2, "tp"),
+    "qwen3, full recompute, tp-sp t=2": (QWEN3 | {"recompute": "full"}, 2, "tp-sp"),
+    "qwen3, fp32, tp t=2: the head norms' upcast is their input": (QWEN3 | {"dtype": "fp32", "s": 13}, 2, "tp"),
+    "qwen3, b=s=1, one K/V group: q and k are views of wqkv's output, V's": (
+        QWEN3 | {"b": 1, "s": 1, "num_query_groups": 1}, 1, "none"),
+    "qwen3, b=s=1, fp32, tp t=2, one K/V group per rank: the head norms keep those views": (
+        QWEN3 | {"b": 1, "s": 1, "dtype": "fp32"}, 2, "tp"),
 }
 
 
@@ -93,6 +108,8 @@ def test_under_sequence_parallelism_the_column_parallel_inputs_are_kept_whole():
     ({"recompute": "selective"}, "recompute op"),
     ({"bias_activation_fusion": True}, "Megatron's fused kernel"),
     ({"dtype": "fp16"}, "bfloat16 or float32"),
+    ({"kv_channels": 8}, "kv_channels 8 .* set qk_layernorm"),
+    (QWEN3 | {"kv_channels": 5}, "d = 5 is odd"),
 ])
 def test_knobs_torchtitans_llama3_does_not_have_are_refused_with_the_reason(knobs, reason):
     with pytest.raises(ConfigError, match=reason):
@@ -107,6 +124,20 @@ def test_on_cuda_the_norm_is_the_fused_kernel_and_rope_keeps_its_table_gathered_
                    .tensors] for device in ("cpu", "cuda")}
     assert [n for n in on["cuda"] if n.startswith("ln1/")] == ["ln1/input", "ln1/rstd_fp32"]
     assert set(on["cuda"]) - set(on["cpu"]) == {"ln1/input", "ln2/input", "attention/rope_cache"}
+
+
+def test_on_cuda_qwen3s_head_norms_keep_their_input_and_its_rope_the_cos_and_sin_halves_of_its_table():
+    """Qwen3's CosSinRoPE gathers a (b, s, 2d) fp32 table at the positions, of which q's and k's products keep the
+    cos and sin halves; the fused rms_norm keeps each head norm's bf16 input and fp32 rstd."""
+    config = build_config(LLAMA3 | QWEN3 | {"t": 2})
+    on = {device: {x.tensor.name: x for x in estimate(config, STRATEGIES["tp"], Accounting(exact=True, device=device))
+                   .tensors} for device in ("cpu", "cuda")}
+    added = {"ln1/input", "ln2/input", "attention/q_norm_input", "attention/k_norm_input", "attention/rope_cos",
+             "attention/rope_sin"}
+    assert set(on["cuda"]) - set(on["cpu"]) == added
+    b, s, d = LLAMA3["b"], LLAMA3["s"], QWEN3["kv_channels"]
+    assert on["cuda"]["attention/rope_cos"].bytes + on["cuda"]["attention/rope_sin"].bytes == b * s * 2 * d * 4
+    assert on["cuda"]["attention/q_norm_input"].bytes == b * s * LLAMA3["a"] // 2 * d * 2
 
 
 def test_the_op_checkpointing_patch_undoes_itself():

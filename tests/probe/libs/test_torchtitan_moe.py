@@ -29,6 +29,7 @@ from . import assert_exact, assert_within_bounds  # noqa: E402
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
 QWEN3_MOE = {}  # softmax router, route_norm (its builder's), no shared experts
+QWEN3_ATTENTION = {"qk_layernorm": True, "kv_channels": 12}  # its Qwen3 attention (heads of 12, not h/a = 8)
 DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48}
 NONE = STRATEGIES["none"]
 CPU = Accounting(exact=True, device="cpu")
@@ -46,6 +47,7 @@ CASES = {
     "one expert a token of eight, shared experts wider than the routed": {
         "num_experts": 8, "moe_router_topk": 1, "moe_shared_expert_intermediate_size": 64},
     "the moe layer of a dense + moe mix": QWEN3_MOE | {"moe_layer_freq": 2, "L": 2},
+    "qwen3-moe with its own attention: q_norm, k_norm, heads of kv_channels": QWEN3_MOE | QWEN3_ATTENTION,
 }
 
 
@@ -147,6 +149,8 @@ TP_CASES = {
     # found by `memcalc measure`: SelectiveAC keeps the shared experts' w2 output before its reduce-scatter, whole
     "deepseek-v3 under SelectiveAC: the shared experts' w2 output is every token's": DEEPSEEK_V3 | {
         "recompute": "op", "moe_ffn_hidden_size": 16},
+    "qwen3-moe with its own attention at b = 1, s/t odd": QWEN3_MOE | QWEN3_ATTENTION | {
+        "b": 1, "s": 10, "moe_ffn_hidden_size": 32},
 }
 
 
