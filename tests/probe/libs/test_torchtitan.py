@@ -110,10 +110,21 @@ def test_under_sequence_parallelism_the_column_parallel_inputs_are_kept_whole():
     ({"dtype": "fp16"}, "bfloat16 or float32"),
     ({"kv_channels": 8}, "kv_channels 8 .* set qk_layernorm"),
     (QWEN3 | {"kv_channels": 5}, "d = 5 is odd"),
+    ({"h": 36}, "ComplexRoPE reshapes each head into channel pairs: d = 9 is odd"),
 ])
 def test_knobs_torchtitans_llama3_does_not_have_are_refused_with_the_reason(knobs, reason):
     with pytest.raises(ConfigError, match=reason):
         estimate(build_config(LLAMA3 | knobs | {"t": 2}), STRATEGIES["tp-sp"])
+
+
+def test_llama3s_complex_rope_raises_on_heads_of_odd_width_as_the_refusal_says():
+    shim.stub_triton_kernels()
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    rope = ComplexRoPE(ComplexRoPE.Config(dim=9, max_seq_len=16))
+    q = torch.zeros(2, 16, 4, 9)
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        rope(q, q, None)
 
 
 def test_on_cuda_the_norm_is_the_fused_kernel_and_rope_keeps_its_table_gathered_at_the_positions():
