@@ -1,7 +1,7 @@
 """MemTracker's reading after every op of one training step, and the check that a step timeline's moments are
 among those readings, in order (tests/probe/test_step.py, tests/probe/libs/test_hf_step.py)."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -80,7 +80,7 @@ def readings_of_the_measured_step() -> Iterator[list[tuple[str, dict[str, int]]]
         yield readings
 
 
-def assert_moments_in_order(moments: tuple[Moment, ...], readings: list[tuple[str, dict[str, int]]],
+def assert_moments_in_order(moments: Sequence[Moment], readings: list[tuple[str, dict[str, int]]],
                             places: tuple[str, ...] = ("forward", "backward", "optimizer")) -> None:
     """Each moment's bytes per category (and, for a moment of one of the phases `places` names, its phase and module)
     are those after some op, the ops in the moments' order."""

@@ -318,11 +318,13 @@ def check_sizes(config: Any) -> None:
     ep = 1, whole under ep = t. Under SelectiveAC, no matmul of a MoE block with the router gate's (h, E) weight
     (`_gate_shaped`). RoPE on heads of even width: Qwen3's CosSinRoPE and Llama3's ComplexRoPE both rotate channel
     pairs."""
-    if config.head_dim % 2:
-        d = config.head_dim
-        rope, width = (f"Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1} wide", "kv_channels") \
-            if config.qk_layernorm else ("Llama3's ComplexRoPE reshapes each head into channel pairs", "h/a")
-        raise ConfigError(f"impl torchtitan: its {rope}: d = {d} is odd (a RuntimeError); use an even {width}")
+    d = config.head_dim
+    if d % 2 and config.qk_layernorm:
+        raise ConfigError(f"impl torchtitan: its Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1}"
+                          f" wide: d = {d} is odd (a RuntimeError); use an even kv_channels")
+    if d % 2:
+        raise ConfigError(f"impl torchtitan: its Llama3's ComplexRoPE reshapes each head into channel pairs: d = {d} is"
+                          " odd (a RuntimeError); use an even h/a")
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
     f, shards = config.expert_ffn // config.t, (config.dp_shard or 1) * config.cp

@@ -115,23 +115,24 @@ def _blocks(config: ModelConfig, layers: int) -> list[Any]:
     return _build_llama3_layers(**sizes, rope=rope)
 
 
-def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
+def moe_block_config(config: ModelConfig, dense_block: Any, sequence_parallel: bool) -> Any:
     """torchtitan's Qwen3 MoE decoder layer from its own builder (its MoE: the "standard" dispatcher, local at EP=1,
-    and GroupedExperts), with the dense block's attention and norms (Llama3's, or with qk_layernorm Qwen3's own).
-    The knobs pick the router and the shared experts, a FeedForward initialised as the dense block's."""
+    and GroupedExperts), with `dense_block`'s attention and norms (Llama3's, or with qk_layernorm Qwen3's own).
+    The knobs pick the router and the shared experts, a FeedForward initialised as `dense_block`'s."""
     layer = _build_qwen3_moe_layers(
         n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.head_dim,
         moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,
-        attn_backend="flex", moe_comm_backend="standard", rope=llama3.attention.rope,
+        attn_backend="flex", moe_comm_backend="standard", rope=dense_block.attention.rope,
     )[0]
-    layer.attention, layer.attention_norm, layer.ffn_norm = llama3.attention, llama3.attention_norm, llama3.ffn_norm
+    layer.attention, layer.attention_norm = dense_block.attention, dense_block.attention_norm
+    layer.ffn_norm = dense_block.ffn_norm
     layer.moe.router.score_func = str(config.moe_router_score_function)
     layer.moe.router.route_norm = not config.moe_router_pre_softmax
     if config.moe_shared_expert_intermediate_size:
-        dense = llama3.feed_forward
+        ffn = dense_block.feed_forward
         layer.moe.shared_experts = make_ffn_config(
             dim=config.h, hidden_dim=config.moe_shared_expert_intermediate_size,
-            w1_param_init=dense.w1.param_init, w2w3_param_init=dense.w2.param_init,
+            w1_param_init=ffn.w1.param_init, w2w3_param_init=ffn.w2.param_init,
         )
     set_moe_sharding_config(layer.moe, enable_ep=config.ep > 1, enable_sp=sequence_parallel,
                             expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
@@ -140,7 +141,8 @@ def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) 
 
 def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
     """The block laid out by its plan, then initialised as torchtitan's trainer does it, in the activation dtype
-    (docs/probe.md); the RoPE table stays complex64 (`Module.to(bf16)` would discard its imaginary part)."""
+    (docs/probe.md); the RoPE table stays as its RoPE computes it, Llama3's complex64 (`Module.to(bf16)` would
+    discard its imaginary part), Qwen3's cos and sin in fp32."""
     with torch.device(tp.device), set_default_dtype(DTYPES[config.dtype]):
         block = block_config(config, strategy.sequence_parallel).build()
         if dims is not None:

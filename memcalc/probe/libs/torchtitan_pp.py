@@ -202,7 +202,7 @@ class ShardedStageTrainer:
     microbatches: int
 
     def step(self) -> None:
-        scheduled_step(self.schedule, self.config, self.microbatches, self.model, False)
+        scheduled_step(self.schedule, self.config, self.microbatches, self.model, cuda=False)  # the CPU's kernels
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 

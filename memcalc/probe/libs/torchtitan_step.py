@@ -166,8 +166,9 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
 def parallelized(model: Any, config: ModelConfig, dims: Any, device: torch.device) -> None:
     """`model` (the whole model, or a pipeline stage's chunk) laid out by torchtitan's own parallelize_llama over
-    `dims` (TP, activation checkpointing, FSDP2 with its reshard policy: "default", which under pp, `dims`'s, is
-    "never", or "never"), then given its own storage and initialised."""
+    `dims` (TP, activation checkpointing, FSDP2 with the reshard policy `reshard_after_forward` picks: "default",
+    which torchtitan turns to "never" when `dims` has pp > 1, or "never"), then given its own storage and
+    initialised."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 

@@ -78,17 +78,19 @@ class Moment:
 
 
 class Moments(Sequence[Moment]):
-    """A step's moments in order, in runs: those marked one by one, and those of a traced walk replayed (`Tape.replay`,
-    a trace and where it starts), made only where one is read. torchtitan's pipeline replays half a million moments
-    on gpt3-1t's 64 stages: made as objects, they and the garbage collector's passes over them took over a third of
-    its walk (deferring the passes, `bulk`, saves none for objects that outlive the walk: each is passed over once in
-    each generation it reaches)."""
+    """A step's moments in order, read as a sequence of `Moment`s but stored in runs of two kinds: `_Marked`, the
+    moments `Tape.mark` made one by one, and `_Replayed`, a traced walk done again (`Tape.replay`): its `Trace`, the
+    totals and the log position it started from, a `Moment` made from them only where one is read (an index, an
+    iteration, the peak). Why not a list of moments: torchtitan's pipeline replays half a million on gpt3-1t's 64
+    stages, and made as objects they and the garbage collector's passes over them took over a third of its walk
+    (deferring the passes, `bulk`, saves none for objects that outlive the walk: each is passed over once in each
+    generation it reaches)."""
 
     def __init__(self, log: list[Live | str]) -> None:
         self.log = log  # the tape's, shared
         self.runs: list[_Marked | _Replayed] = []
         self.starts: list[int] = []  # the index of each run's first moment
-        self.marking: _Marked | None = None  # the run that marks go to: the last, if marked
+        self.marking: _Marked | None = None  # the run `mark` appends to: the last run, if it is a _Marked one
 
     def mark(self, phase: str, where: str, what: str, totals: tuple[int, ...]) -> None:
         """A moment of these totals, now (at the log's end)."""
@@ -133,7 +135,8 @@ class Moments(Sequence[Moment]):
     __hash__ = None  # type: ignore[assignment]  # a list's: moments are added
 
     def peak(self) -> Moment:
-        """The moment with the most bytes live (the first, on a tie): the first run's whose peak is highest."""
+        """The moment with the most bytes live (the first, on a tie): each run finds its own peak (a replayed run's is
+        its trace's, no moment made), and the first run whose peak is highest gives it."""
         return max((x.peak() for x in self.runs), key=operator.attrgetter("bytes"))
 
 
@@ -141,6 +144,7 @@ class _Marked(list[Moment]):
     """Moments marked one by one."""
 
     def peak(self) -> Moment:
+        """The first of these moments with the most bytes (max keeps the first of equals)."""
         return max(self, key=operator.attrgetter("bytes"))
 
 
@@ -180,7 +184,7 @@ class Timeline:
     """One step on one rank: every moment in order."""
 
     strategy: Strategy
-    moments: Moments
+    moments: Moments  # the tape's own, not a copy: a timeline is made once its tape's step has ended
     stage: str = "only"  # the pipeline stage (memcalc.sizing.pipeline.stages)
 
     @property

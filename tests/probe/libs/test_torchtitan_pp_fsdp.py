@@ -18,7 +18,7 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.torchtitan_pp import measure_torchtitan_pp_fsdp_step_on_rank  # noqa: E402
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank  # noqa: E402
-from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES  # noqa: E402
+from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES  # noqa: E402
 from memcalc.sizing.timeline.fsdp import stage_params  # noqa: E402
 from memcalc.sizing.timeline.tape import prod  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
@@ -96,8 +96,9 @@ def test_at_the_peak_every_unit_of_the_stage_is_unsharded(measured, changes, sta
 def test_each_units_gradient_is_kept_whole_in_fp32_to_one_reduce_scatter_at_the_steps_end(one_thread, changes, stage):
     """The last reading with every unit unsharded (and no gather in flight), before perform_reduce_grad reshards the
     first unit: every parameter's whole gradient (unpadded), accumulated over the micro-batches in the reduce dtype
-    (fp32; FSDPMemTracker files it as temporary: to_accumulated_grad_if_needed makes it inside post_backward), and
-    but on the first stage the last input gradient sent, (b, s, h) in bf16, beside the sharded gradients alone."""
+    (fp32; FSDPMemTracker files it as temporary: to_accumulated_grad_if_needed makes it inside post_backward) and, on
+    every stage but the first, the last input gradient sent, (b, s, h) in bf16; its gradients are the sharded ones
+    alone."""
     config = make_config(LLAMA3 | changes)
     readings = [r for _, r in torchtitan_pp_fsdp_readings(config, stage)]
     terms = _states(config, stage)[0]
@@ -107,3 +108,11 @@ def test_each_units_gradient_is_kept_whole_in_fp32_to_one_reduce_scatter_at_the_
     whole = sum(prod(p.shape) for p in stage_params(config, held, 1))
     sent = 0 if held.has_embedding else 2 * config.b * config.s * config.h
     assert (before.get(TEMPORARIES, 0), before[GRADIENTS]) == (4 * whole + sent, terms["states/grads"])
+
+
+def test_the_stages_peaks_are_the_ones_docs_timeline_md_gives(measured):
+    """docs/timeline.md, "torchtitan's pipeline", quotes the first case's peaks: pinned so a change shows there."""
+    first, last = measured["{}", "first"], measured["{}", "last"]
+    assert (first.peak_bytes, first.moment, last.peak_bytes) == (824_936, "backward layers.0.ffn_norm", 981_816)
+    assert first.peak == {PARAMETERS: 184_576, GRADIENTS: 91_904, ACTIVATIONS: 80_072, TEMPORARIES: 284_544,
+                          OPTIMIZER: 183_840}
