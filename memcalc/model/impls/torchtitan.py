@@ -320,10 +320,10 @@ def check_sizes(config: Any) -> None:
     pairs."""
     d = config.head_dim
     if d % 2 and config.qk_layernorm:
-        raise ConfigError(f"impl torchtitan: its Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1}"
+        raise ConfigError(f"impl torchtitan: Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1}"
                           f" wide: d = {d} is odd (a RuntimeError); use an even kv_channels")
     if d % 2:
-        raise ConfigError(f"impl torchtitan: its Llama3's ComplexRoPE reshapes each head into channel pairs: d = {d} is"
+        raise ConfigError(f"impl torchtitan: Llama3's ComplexRoPE reshapes each head into channel pairs: d = {d} is"
                           " odd (a RuntimeError); use an even h/a")
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
