@@ -320,13 +320,15 @@ GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}  # GroupedExp
 
 
 def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, ...]:
-    """A TransformerBlock's parameters in registration order: wqkv and wo, the feed-forward's w1, w2, w3 (or the
-    MoE's), the two norms; no biases (Llama3 has none: impl torchtitan refuses them)."""
+    """A TransformerBlock's parameters in registration order: wqkv and wo (with qk_layernorm Qwen3's q_norm and
+    k_norm, one head's d channels each), the feed-forward's w1, w2, w3 (or the MoE's), the two norms; no biases
+    (Llama3 has none: impl torchtitan refuses them)."""
     qkv, o, f = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t
     mlp = _torchtitan_moe(c, t, f"{m}.moe") if moe else (
         Param(f"{m}.feed_forward.w1", (f, c.h), FC1), Param(f"{m}.feed_forward.w2", (c.h, f), FC2),
         Param(f"{m}.feed_forward.w3", (f, c.h), FC1))
-    attention = (Param(f"{m}.attention.qkv_linear.wqkv", (qkv, c.h), QKV), Param(f"{m}.attention.wo", (c.h, o), PROJ))
+    attention = (Param(f"{m}.attention.qkv_linear.wqkv", (qkv, c.h), QKV), Param(f"{m}.attention.wo", (c.h, o), PROJ),
+                 *(x for n in ("q", "k") if c.qk_layernorm for x in _norm(c, f"{m}.attention.{n}_norm", (c.head_dim,))))
     return (*attention, *mlp, *_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
 
 

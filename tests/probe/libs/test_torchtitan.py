@@ -160,3 +160,17 @@ def test_the_op_checkpointing_patch_undoes_itself():
             activation_checkpoint._get_default_save_ops()
         )
     assert activation_checkpoint._get_default_save_ops is original
+
+
+@pytest.mark.parametrize("knobs", [GQA, QWEN3], ids=["llama3", "qwen3"])
+def test_a_blocks_parameters_are_the_inventorys_by_name_and_shape(knobs):
+    """Each parameter of torchtitan's own block (Qwen3's with its q_norm and k_norm, one head's d channels each), path
+    and shape, as the model the probe builds registers it: what the count, the step walk's weight gradients and
+    FSDP2's shards read (memcalc.sizing.params)."""
+    from memcalc.sizing.params import torchtitan_layer_params
+
+    config = build_config(LLAMA3 | knobs)
+    with torch.device("meta"):
+        model = runner.model_config(config, False, 1, 32).build()
+    built = {n.removesuffix(".weight"): tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.0.")}
+    assert {p.module: p.shape for p in torchtitan_layer_params(config, 1, "layers.0", False)} == built
