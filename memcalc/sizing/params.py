@@ -155,6 +155,12 @@ def _norm(c: ModelConfig, m: str, shape: tuple[int, ...] | None = None, group: P
     return tuple(Param(n, shape or (c.h,), group) for n in names)
 
 
+def _head_norms(c: ModelConfig, q: str, k: str) -> tuple[Param, ...]:
+    """With qk_layernorm, the query's and the key's norms `q` and `k`, each over one head's d channels (shared by
+    every head); none without it."""
+    return tuple(x for m in (q, k) if c.qk_layernorm for x in _norm(c, m, (c.head_dim,)))
+
+
 # Megatron-core's GPTModel on its local spec (and the paper's model, which counts as it does).
 
 def megatron_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, ...]:
@@ -166,7 +172,7 @@ def megatron_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Pa
     qkv = (c.a + 2 * c.groups) * c.head_dim // t  # Q heads plus K and V groups, d (h/a unless set) channels each
     attention = _latent(c, t, a) if c.mla else (
         *_linear(f"{a}.linear_qkv", qkv, c.h, c.add_bias_linear or c.add_qkv_bias, QKV),
-        *(x for n in ("q", "k") if c.qk_layernorm for x in _norm(c, f"{a}.{n}_layernorm", (c.head_dim,))))
+        *_head_norms(c, f"{a}.q_layernorm", f"{a}.k_layernorm"))
     width = c.a * (c.v_head_dim if c.mla else c.head_dim) // t  # a heads of d (latent attention: of d_v)
     return (*_norm(c, f"{m}.input_layernorm"), *_linear(f"{a}.linear_proj", c.h, width, c.add_bias_linear, PROJ),
             *attention, *_norm(c, f"{m}.pre_mlp_layernorm"),
@@ -328,7 +334,7 @@ def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[
         Param(f"{m}.feed_forward.w1", (f, c.h), FC1), Param(f"{m}.feed_forward.w2", (c.h, f), FC2),
         Param(f"{m}.feed_forward.w3", (f, c.h), FC1))
     attention = (Param(f"{m}.attention.qkv_linear.wqkv", (qkv, c.h), QKV), Param(f"{m}.attention.wo", (c.h, o), PROJ),
-                 *(x for n in ("q", "k") if c.qk_layernorm for x in _norm(c, f"{m}.attention.{n}_norm", (c.head_dim,))))
+                 *_head_norms(c, f"{m}.attention.q_norm", f"{m}.attention.k_norm"))
     return (*attention, *mlp, *_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
 
 
