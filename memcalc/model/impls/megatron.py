@@ -260,13 +260,12 @@ def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, .
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
-    """fc1 input, the activation's terms, fc2 input, the output mask."""
-    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN, *mask)
+    """fc1 input, the activation's terms, fc2 input."""
+    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
-    """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts, the dropout mask.
+    """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts.
 
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
     the activation's output and the probabilities; fused (bias_activation_fusion), WeightedSwiGLUFunction keeps
@@ -277,8 +276,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
               *dispatch(knobs))
     product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
     experts = (ledger.EXPERT_IN, *activation(knobs, EXPERT_ACT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
-    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (*router, *experts, *shared_experts(knobs), *mask)
+    return (*router, *experts, *shared_experts(knobs))
 
 
 def router_scores(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -320,10 +318,12 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
 
 
 def keeps(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
-    """Every tensor one layer keeps for backward, in forward order (unless fully recomputed)."""
+    """Every tensor one layer keeps for backward, in forward order (unless fully recomputed): the dense MLP's or the
+    MoELayer's, then the dropout mask on its output."""
+    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     blocks = (
         norm_block(ledger.LN1, knobs) + attention_block(knobs, fused_softmax)
-        + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
+        + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + mask
     )
     return drop_small(blocks, accounting)
 
