@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from memcalc.config.schema import SIZES, ModelConfig, class_schema
+from memcalc.config.schema import EXPERT_AXES, SIZES, ModelConfig, class_schema
 from memcalc.model.knobs import Knobs
 from memcalc.model.rules import AS_USED
 from memcalc.model.strategy import STRATEGIES
@@ -306,7 +306,6 @@ FIT: Schema = _document(
 
 # One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
 _SWEEP_COLUMNS = {name: _array(POSITIVE) for name in SIZES}
-_EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")  # columns of a sweep whose model has experts
 SWEEP: Schema = _document(
     {
         "model": _nullable(TEXT),
@@ -323,8 +322,8 @@ SWEEP: Schema = _document(
             "strategy": _array(STRATEGY),
             "per_layer_bytes": _array(COUNT),
             "total_bytes": _array(COUNT),
-            **{name: _array(POSITIVE) for name in _EXPERT_AXES},
-        }, optional=_EXPERT_AXES),
+            **{name: _array(POSITIVE) for name in EXPERT_AXES},
+        }, optional=EXPERT_AXES),
     },
     "memcalc sweep --format json",
 )

@@ -220,6 +220,7 @@ def torchtitan_split(L: int, pp: int) -> list[int]:
 
 # One layer's sizes, in the order flags, sweeps and tables list them.
 SIZES = ("b", "s", "h", "a", "t", "L")
+EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")  # a sweep's axes beside SIZES when its model has experts
 
 
 def config_record(config: ModelConfig) -> dict[str, Any]:
@@ -377,10 +378,19 @@ def check_divisibility(config: ModelConfig) -> None:
         rule.check(config)
 
 
-# Config fields (not layer knobs) torchtitan's Llama3 has no tensor for, each with what to do instead.
-_TORCHTITAN_ABSENT = (
-    ("add_bias_linear", "Llama3's linears have no biases; use --no-bias-linear (add_bias_linear false)"),
-    ("add_qkv_bias", "Llama3's wqkv has no bias; use impl megatron or hf for a model with QKV biases"),
+# Config fields and layouts (not layer knobs) torchtitan's Llama3 and its pipeline have not: (refused when, why and
+# what to do instead), in the order checked.
+_TORCHTITAN_REFUSALS: tuple[tuple[Any, str], ...] = (
+    (lambda c: c.vpp is not None, "vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline is"
+     " modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones"),
+    (lambda c: c.position_embedding_type != "rope", "position_embedding_type {c.position_embedding_type}, but its"
+     " Llama3 rotates q and k (RoPE) and has no position table; use impl megatron or hf for a model with one"),
+    (lambda c: c.add_bias_linear, "add_bias_linear True is not in torchtitan's Llama3: Llama3's linears have no"
+     " biases; use --no-bias-linear (add_bias_linear false)"),
+    (lambda c: c.add_qkv_bias, "add_qkv_bias True is not in torchtitan's Llama3: Llama3's wqkv has no bias; use impl"
+     " megatron or hf for a model with QKV biases"),
+    (lambda c: c.pp > 1 and c.tie_embeddings, "tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
+     " NotImplementedError (no weight tying under pp); untie the embeddings"),
 )
 
 
@@ -390,19 +400,9 @@ def check_layout(config: ModelConfig) -> None:
     c = config
     if c.vpp is not None and c.pp < 2:
         raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
-    if c.impl == "torchtitan" and c.vpp is not None:
-        raise ConfigError(f"impl torchtitan: vpp={c.vpp} is Megatron-LM's interleaved schedule; torchtitan's pipeline"
-                          " is modelled under its default schedule, torch's Schedule1F1B, not its interleaved ones")
-    if c.impl == "torchtitan" and c.position_embedding_type != "rope":
-        raise ConfigError(f"impl torchtitan: position_embedding_type {c.position_embedding_type}, but its Llama3"
-                          " rotates q and k (RoPE) and has no position table; use impl megatron or hf for a model"
-                          " with one")
-    for name, reason in _TORCHTITAN_ABSENT if c.impl == "torchtitan" else ():
-        if getattr(c, name):
-            raise ConfigError(f"impl torchtitan: {name} True is not in torchtitan's Llama3: {reason}")
-    if c.impl == "torchtitan" and c.pp > 1 and c.tie_embeddings:
-        raise ConfigError(f"impl torchtitan: tie_embeddings with pp={c.pp}: its Decoder.update_from_config raises"
-                          " NotImplementedError (no weight tying under pp); untie the embeddings")
+    for refused, why in _TORCHTITAN_REFUSALS if c.impl == "torchtitan" else ():
+        if refused(c):
+            raise ConfigError("impl torchtitan: " + why.format(c=c))
     chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
     if c.impl != "torchtitan":  # torchtitan's pipeline_llm splits any L (torchtitan_split)
         divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")

@@ -300,9 +300,6 @@ def _experts(
     Routed bytes take the ledger's bound on r (moe_tokens); an all-to-all sends (ep-1)/ep of the r/t
     slots a rank hands in, exactly so when routing is balanced.
     """
-    if implementation(knobs).name != "megatron":
-        raise ConfigError(f"impl {knobs.impl}: a mixture of experts' collectives are modelled for megatron-core's"
-                          " MoELayer (the all-to-all dispatcher) only")
     if knobs.moe_token_dispatcher_type != "alltoall":
         raise ConfigError(f"moe_token_dispatcher_type={knobs.moe_token_dispatcher_type}: only the alltoall"
                           " dispatcher's collectives are modelled (the allgather one gathers every token of t*ep"

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config.schema import (
-    SIZES, ModelConfig, build_knobs, check_layout, field_default, field_names, validate_fields,
+    EXPERT_AXES, SIZES, ModelConfig, build_knobs, check_layout, field_default, field_names, validate_fields,
 )
 from memcalc.errors import ConfigError
 from memcalc.text import short_repr, whole_number
@@ -29,8 +29,7 @@ from memcalc.model.rules import AS_USED, DIVISIBILITY, EXPERT_RULES, SEQUENCE_SP
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import STRATEGIES, Strategy
 
-# The grid's axes are SIZES, in that order; with experts, E, k and ep as well, before L (AXES).
-EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")
+# The grid's axes are SIZES, in that order; with experts, E, k and ep (EXPERT_AXES) as well, before L (AXES).
 AXES = (*SIZES[:-1], *EXPERT_AXES, SIZES[-1])
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
 MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak

@@ -204,29 +204,23 @@ def core_attention(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor,
 
 
 def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
-    """Q, K, V as the core keeps them: views of the fused QKV output, or (GQA) copies for every head."""
-    if knobs.qk_layernorm:
-        return normed_query_key_value(knobs)
+    """Q, K, V as the core keeps them: views of the fused QKV output, or (GQA) copies for every head.
+
+    With qk_layernorm (get_query_key_value_tensors: q_layernorm(query), k_layernorm(key)) each norm keeps its input
+    first, and the core keeps the norms' outputs as Q and K (K and V copied to every head under eager GQA).
+    Multi-head, the norms' inputs are views of the fused QKV output, which V keeps too: that storage is the norms'
+    input rows and V. Under GQA the query is a copy (the norm's input), and the key's view keeps the fused output
+    whole, its query columns too (with one K/V group per rank, g = t, no copy is made: CONDITIONS)."""
+    norms = (*norm_block(ledger.Q_NORM, knobs), *norm_block(ledger.K_NORM, knobs)) if knobs.qk_layernorm else ()
     if not knobs.gqa or knobs.attention == "flash":
-        return (ledger.Q, ledger.K, ledger.V)
+        return (*norms, ledger.Q, ledger.K, ledger.V)
+    if knobs.qk_layernorm:
+        core = (ledger.Q, ledger.K) if knobs.recompute == "selective" else (ledger.Q, K_EXPANDED, V_EXPANDED)
+        return (*norms, QKV_QUERY_COLUMNS, ledger.V, *core)
     if knobs.recompute == "selective":
         # The checkpoint's inputs, expanded in backward (with one K/V group per rank, Q, K, V alone: CONDITIONS).
         return (ledger.Q, ledger.K, ledger.V, QKV_QUERY_COLUMNS)
     return (QUERY_COPY, K_EXPANDED, V_EXPANDED)  # at b = 1 with g = t, the fused output in Q's place: CONDITIONS
-
-
-def normed_query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
-    """With qk_layernorm (get_query_key_value_tensors: q_layernorm(query), k_layernorm(key)): each norm keeps its
-    input, and the core keeps the norms' outputs as Q and K (K and V copied to every head under eager GQA).
-
-    Multi-head, the norms' inputs are views of the fused QKV output, which V keeps too: that storage is the norms'
-    input rows and V. Under GQA the query is a copy (the norm's input), and the key's view keeps the fused output
-    whole, its query columns too (with one K/V group per rank, g = t, no copy is made: CONDITIONS)."""
-    norms = (*norm_block(ledger.Q_NORM, knobs), *norm_block(ledger.K_NORM, knobs))
-    if not knobs.gqa or knobs.attention == "flash":
-        return (*norms, ledger.Q, ledger.K, ledger.V)
-    core = (ledger.Q, ledger.K) if knobs.recompute == "selective" else (ledger.Q, K_EXPANDED, V_EXPANDED)
-    return (*norms, QKV_QUERY_COLUMNS, ledger.V, *core)
 
 
 def attention_block(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
@@ -266,13 +260,12 @@ def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, .
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
-    """fc1 input, the activation's terms, fc2 input, the output mask."""
-    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN, *mask)
+    """fc1 input, the activation's terms, fc2 input."""
+    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
-    """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts, the dropout mask.
+    """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts.
 
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
     the activation's output and the probabilities; fused (bias_activation_fusion), WeightedSwiGLUFunction keeps
@@ -283,8 +276,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
               *dispatch(knobs))
     product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
     experts = (ledger.EXPERT_IN, *activation(knobs, EXPERT_ACT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
-    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (*router, *experts, *shared_experts(knobs), *mask)
+    return (*router, *experts, *shared_experts(knobs))
 
 
 def router_scores(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -326,10 +318,12 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
 
 
 def keeps(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
-    """Every tensor one layer keeps for backward, in forward order (unless fully recomputed)."""
+    """Every tensor one layer keeps for backward, in forward order (unless fully recomputed): the dense MLP's or the
+    MoELayer's, then the dropout mask on its output."""
+    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     blocks = (
         norm_block(ledger.LN1, knobs) + attention_block(knobs, fused_softmax)
-        + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
+        + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + mask
     )
     return drop_small(blocks, accounting)
 
