@@ -214,14 +214,14 @@ def test_qwen3_moe_totals_give_the_steps_peak_with_its_wide_normed_heads():
     assert "tp-sp: no, 150,805,864,452 B = 140.45 GiB (the step's peak)" in run.out
 
 
-def test_torchtitans_qwen3_totals_fall_back_to_states_and_saved_activations_naming_its_unwalked_attention():
-    """torchtitan's Qwen3 layer keeps what memcalc.model.impls.torchtitan says (measured), but its step walks Llama3's
-    attention ops only: the verdict is on states + saved activations, and says why, not on Llama3's peak."""
-    run = memcalc_cli("estimate", "--config", "qwen3-30b-a3b", "--impl", "torchtitan", "--totals")
+def test_torchtitans_qwen3_totals_give_the_steps_peak_with_its_head_norms_and_cos_sin_rope():
+    """torchtitan's Qwen3 attention (q_norm and k_norm on each head, CosSinRoPE) is walked
+    (memcalc.sizing.timeline.torchtitan): the verdict is on the step's peak for none, tp and tp-sp alike."""
+    run = memcalc_cli("estimate", "--config", "qwen3-30b-a3b", "--impl", "torchtitan", "--totals", "--t", "4")
     assert run.code == 3, run.err
-    assert "none: no, 556,530,266,112 B = 518.31 GiB (states + saved activations)" in run.out
-    assert "does not model its Qwen3 attention (qk_layernorm: q_norm and k_norm on each head, CosSinRoPE)" in \
-        " ".join(run.out.split())
+    assert "none: no, 561,754,485,772 B = 523.17 GiB (the step's peak)" in run.out
+    assert "tp: no, 142,028,301,328 B = 132.27 GiB (the step's peak)" in run.out
+    assert "tp-sp: no, 141,411,726,352 B = 131.70 GiB (the step's peak)" in run.out
 
 
 def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():

@@ -1,4 +1,5 @@
-"""One whole training step of torchtitan's own Llama3 model under MemTracker (`measure --step --impl torchtitan`).
+"""One whole training step of torchtitan's own Llama3 model (with qk_layernorm its Qwen3 model) under MemTracker
+(`measure --step --impl torchtitan`).
 
 How the model is built, its loss, and FSDP2: docs/probe.md, "torchtitan's model under `--step`".
 """

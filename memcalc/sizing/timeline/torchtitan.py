@@ -58,8 +58,8 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
         model_states(tape, unpadded, stage, z)
     else:
         fsdp.states(tape)
-    tape.add("states/rope caches", PARAMETERS, stage.layers * 8 * config.s * (z.d // 2),
-             "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
+    tape.add("states/rope caches", PARAMETERS, stage.layers * _rope_cache(config, z),
+             "each block's RoPE keeps its own table, a buffer")
     if config.moe:
         tape.add("states/moe buffers", PARAMETERS, moe_layers_held(config, stage) * 2 * 4 * config.num_experts,
                  "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
@@ -67,6 +67,12 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
     saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
     return Parts(tape, config, z, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting), hand_over), fsdp
+
+
+def _rope_cache(config: ModelConfig, z: Sizes) -> int:
+    """Bytes of one block's RoPE table: ComplexRoPE's complex64 (s, d/2), or Qwen3's CosSinRoPE's fp32 (s, 2d) (cos
+    and sin, each over d channels)."""
+    return 8 * config.s * (z.d if config.qk_layernorm else z.d // 2)
 
 
 @dataclass(frozen=True)
@@ -164,9 +170,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " once at the step's end; pp is walked at t = 1 and under tp and tp-sp, with experts too)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
-        # the layer's tensors are measured (memcalc.model.impls.torchtitan); its ops (the head norms, CosSinRoPE's
-        # rotate_half) are not walked
-        (config.qk_layernorm, "its Qwen3 attention (qk_layernorm: q_norm and k_norm on each head, CosSinRoPE)"),
     ]
     for absent, what in missing:
         if absent:
@@ -263,18 +266,20 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
 
 
 def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
-         frees: tuple[str, ...] = (), stream: str = "") -> Op:
+         frees: tuple[str, ...] = (), stream: str = "", rows: int = 0, width: int = 0) -> Op:
     """nn.RMSNorm: on CUDA torch's fused kernel (`fused_rms_norm`, keeping its input `x` itself), on a CPU torch's
     rms_norm_composite, op by op, and its backward through autograd.
 
     The composite's forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output
     is made. Backward ends with dX cast back to bf16 (`dx`). In fp32 the input is x itself, so autograd adds x's two
-    gradients into the residual stream's (`stream`, its gradient; `dx` then the sum) as each comes.
+    gradients into the residual stream's (`stream`, its gradient; `dx` then the sum) as each comes. It normalises
+    `rows` rows of `width` channels: by default each token's h (under SP this rank's sequence shard's), Qwen3's head
+    norms each head's d.
     """
+    tokens, width = rows or z.b * z.s_seq, width or z.h
     if z.cuda:
-        return fused_rms_norm(where, z, norm, p, out, grad, dx, x)
-    tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
-    n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
+        return fused_rms_norm(where, z, norm, p, out, grad, dx, x, z.act * tokens * width)
+    n, full, row = f"{p}/{where}" if p else where, 4 * tokens * width, 4 * tokens
     fp32, rstd, normed = kept_names(p, norm.input_fp32, norm.rstd, norm.normed_fp32)
     # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
     # the cast back
@@ -282,8 +287,9 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
     weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
     # its input is spmd_types' reduce-scatter's (s/t, b, h) output seen as (b, s/t, h), not contiguous (DTensor's
     # reduce-scatter along s makes (b, s/t, h) itself; a pipeline stage's received input is its (b, s/t, h) receive
-    # buffer, whose layout every residual sum on the stage keeps: `Sizes.stage_receives`)
-    if z.sp and z.b > 1 and not z.dtensor and not z.stage_receives:
+    # buffer, whose layout every residual sum on the stage keeps: `Sizes.stage_receives`); a head norm's input is
+    # the split's contiguous copy
+    if z.sp and z.b > 1 and not z.dtensor and not z.stage_receives and not rows:
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
@@ -334,7 +340,7 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
              frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
         Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32" if cast else dx, full, "fp32"),),
              frees=(f"{g}/dx (sum)" if stream else f"{g}/dx (x * r)", f"{g}/dx (pow)")),
-        *((Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * z.h, "the norm's"
+        *((Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * width, "the norm's"
                                                                            " dX"),), frees=(f"{g}/dx fp32",)),)
           if cast else ()),
     )
@@ -342,18 +348,18 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
 
 
 def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
-                   x: str) -> Op:
+                   x: str, dx_bytes: int) -> Op:
     """nn.RMSNorm on CUDA: torch's _fused_rms_norm, one kernel each way (a non-contiguous input's copy is its own,
     as its workspace). Forward makes the output and the fp32 rstd; it keeps the input `x` (the residual stream's
     tensor itself: the ledger's input term) and rstd; backward makes dX and the weight's gradient beside dY, then
-    dY, `x` and rstd go."""
+    dY, `x` and rstd go (`dx_bytes`: dX's size, its input's)."""
     n = f"{p}/{where}" if p else where
     rstd, dweight = kept_name(p, tensors.rstd), f"grad/{n}/dweight"
     return Op(where, forward=(
         Step("_fused_rms_norm: the output and rstd", (out, kept(p, tensors.rstd)), reads_last=(rstd,)),
     ), backward=(
         Step("_fused_rms_norm_backward: dX and the weight's gradient", (
-            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.weight(where), WHY_WGRAD)),
+            Made(dx, dx_bytes, "the norm's dX"), Made(dweight, z.weight(where), WHY_WGRAD)),
             frees=(grad, x), hands_over=(dweight,)),
     ), saves=(tensors.rstd,))
 
@@ -431,7 +437,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    attention = attention_ops(p, z, mid, gmid, gx, h, q, kv)
+    attention = attention_ops(p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
     # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
     dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):
@@ -491,14 +497,20 @@ def pre_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: M
     return (Op(where, forward=(), backward=(summed,)), norm(where, z, tensors, p, out, grad, dx, x))
 
 
-def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
-    """attention_norm, wqkv, the split, RoPE, SDPA, wo and the first residual sum."""
+def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int,
+                  qwen3: bool) -> tuple[Op, ...]:
+    """attention_norm, wqkv, the split, (`qwen3`: q_norm and k_norm,) RoPE, SDPA, wo and the first residual sum."""
     a, g = "attention", f"grad/{p}/attention"
     qkv = z.tokens(z.act * z.qkv_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
     kept_mid = _stream_after_attention(z)
+    # SDPA's dQ and dK live until v's node runs: ModTracker leaves the attention kernel in backward by a multi-grad
+    # hook on its three inputs (head_norm_ops), which holds the first two gradients until the last one's node starts.
+    # That is v's contiguous copy, in the split: after ComplexRoPE's backward, which frees them as it returns, but
+    # after the head norms', whose nodes are newer than the split's
+    held = (Step("the attention kernel's hook lets dQ and dK go", frees=(f"{g}/dq", f"{g}/dk")),) if qwen3 else ()
     return (
         *pre_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
                   f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"{p}/input", gmid, gx),
@@ -507,13 +519,14 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),
                z.weight(f"{a}.qkv_linear.wqkv"), f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
         Op(f"{a}.qkv_linear",
-           forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
-                    Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
+           forward=(Step("the split: q reshaped (a copy)", (_split_out(p, z, "q", q, qwen3),)),
+                    Step("k made contiguous", (_split_out(p, z, "k", kv, qwen3),)),
                     Step("v made contiguous", (kept(p, ledger.V),), frees=(kept_name(p, rules.QKV_OUT),))),
-           backward=(Step("the split's backward: dQ, dK, dV concatenated", (
+           backward=(*held, Step("the split's backward: dQ, dK, dV concatenated", (
                Made(f"{g}/dqkv", qkv, "the fused output's gradient"),),
-               frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
-        rope_ops(p, z, q, kv),
+               frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")))),
+        *(head_norm_ops(p, z, q, kv) if qwen3 else ()),
+        cos_sin_rope_op(p, z, q, kv) if qwen3 else rope_ops(p, z, q, kv),
         Op(f"{a}.inner_attention",
            # SDPA's flash kernel; on CUDA compiled flex, whose Inductor buffers (the row maxima, backward's delta) are
            # its workspace
@@ -533,6 +546,121 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                                                Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
+
+
+def _split_out(p: str, z: Sizes, x: str, nbytes: int, qwen3: bool) -> Made:
+    """q or k as the split makes it (a contiguous copy): before RoPE, or (`qwen3`) before its head norm, which may
+    keep it itself (`_kept_by_head_norm`)."""
+    held = _kept_by_head_norm(z, x) if qwen3 else None
+    if held is not None:
+        return kept(p, held)
+    return Made(f"{p}/{x} pre-rope", nbytes, f"{x}, before RoPE" if not qwen3 else f"{x}, before {x}_norm")
+
+
+_HEAD_NORMS = {"q": rules.Q_NORM, "k": rules.K_NORM}
+
+
+def _kept_by_head_norm(z: Sizes, x: str) -> SavedTensor | None:
+    """The ledger's term for q or k (`x`) before its head norm where the norm keeps the split's output itself (CUDA's
+    fused kernel its input; the CPU composite in fp32 its fp32 input, the input itself); None where the norm keeps
+    an upcast copy."""
+    if z.cuda:
+        return _HEAD_NORMS[x].input
+    return _HEAD_NORMS[x].input_fp32 if z.act == 4 else None
+
+
+def head_norm_ops(p: str, z: Sizes, q: int, kv: int) -> tuple[Op, ...]:
+    """Qwen3's q_norm and k_norm: `norm` over each head's d channels ((b*s*a/t, d) and (b*s*g/t, d) rows); the split's
+    q and k go as each returns (but where the norm keeps them: `_kept_by_head_norm`), their outputs are RoPE's inputs.
+
+    In backward k_norm runs first, and its dY outlives it: ModTracker leaves RoPE in backward by a multi-grad hook
+    (register_multi_grad_hook, mode "all") on its two inputs, which holds the gradient of the first to arrive (k's, as
+    k_norm's node starts) until the other's node starts (q_norm's), where it goes before anything is made."""
+    g = f"grad/{p}/attention"
+    held = f"{g}/dk normed"
+
+    def head_norm(x: str, nbytes: int, heads: int) -> Op:
+        """One head norm, `heads` heads of d a token on this rank."""
+        itself = _kept_by_head_norm(z, x)
+        pre = kept_name(p, itself) if itself is not None else f"{p}/{x} pre-rope"
+        op = norm(f"attention.{x}_norm", z, _HEAD_NORMS[x], p, Made(f"{p}/{x} normed", nbytes, "RoPE's input"),
+                  f"{g}/d{x} normed", f"{g}/d{x} pre-rope", pre, frees=() if itself else (pre,),
+                  rows=z.tokens(heads), width=z.d)
+        # the attention's forward rebinds q (k) to the norm's output: the split's goes as it returns, but where kept
+        return module_returns((op,), pre)[0] if itself else op
+    k_norm = head_norm("k", kv, z.g_t)
+    k_norm = replace(k_norm, backward=tuple(replace(x, frees=tuple(n for n in x.frees if n != held))
+                                            for x in k_norm.backward))
+    released = Op("attention.q_norm", forward=(), backward=(Step("RoPE's hook lets k's dY go", frees=(held,)),))
+    return head_norm("q", q, z.a_t), released, k_norm
+
+
+def cos_sin_rope_op(p: str, z: Sizes, q: int, kv: int) -> Op:
+    """Qwen3's CosSinRoPE on q and k (the head norms' outputs): forward `_cos_sin_forward`, backward
+    `_cos_sin_backward`. On CUDA's flex path the table is first gathered at the positions (its cos and sin halves
+    kept until q * cos's backward; under a checkpoint they go as RoPE returns, locals of its forward)."""
+    forward, backward = _cos_sin_forward(p, z, q, kv), _cos_sin_backward(p, z, q, kv)
+    if not z.cuda:
+        return Op("attention.rope", forward, backward)
+    gather = Step("the table gathered at the positions: cos | sin", (kept(p, rules.ROPE_COS), kept(p, rules.ROPE_SIN)))
+    op = Op("attention.rope", (gather, *forward), backward, saves=(rules.ROPE_COS, rules.ROPE_SIN))
+    return module_returns((op,), *kept_names(p, rules.ROPE_COS, rules.ROPE_SIN))[0]
+
+
+def _cos_sin_forward(p: str, z: Sizes, q: int, kv: int) -> tuple[Step, ...]:
+    """q and k in fp32, x * cos + rotate_half(x) * sin (-x2 and the cat made and dropped), cast back (Q and K kept);
+    the fp32 locals go as it returns. In fp32 .float() and type_as are no-ops, the sums Q and K themselves."""
+    cast = z.act != 4
+    upcast = tuple(Step(f"{x}.float()", (Made(f"{p}/{x} fp32", 4 * n // z.act, f"{x} in fp32"),))
+                   for x, n in (("q", q), ("k", kv))) if cast else ()
+
+    def rotated(x: str, n: int) -> tuple[Step, ...]:
+        """x * cos + rotate_half(x) * sin, for q or k: `n` bytes of fp32."""
+        r = f"{p}/{x} rope"
+        return (Step(f"{x} * cos", (Made(f"{r} cos", n, "fp32"),)),
+                Step(f"rotate_half({x}): -x2", (Made(f"{r} -x2", n // 2, "fp32, half the channels"),)),
+                Step(f"rotate_half({x}): cat", (Made(f"{r} rotated", n, "fp32"),), frees=(f"{r} -x2",)),
+                Step(f"rotate_half({x}) * sin", (Made(f"{r} sin", n, "fp32"),), frees=(f"{r} rotated",)),
+                Step(f"{x} * cos + rotate_half({x}) * sin", (
+                    Made(f"{r} out", n, "fp32") if cast else kept(p, ledger.Q if x == "q" else ledger.K),),
+                    frees=(f"{r} cos", f"{r} sin")))
+    fp32 = (f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rope out", f"{p}/k rope out") if cast else ()
+    returned = (f"{p}/q normed", f"{p}/k normed", *fp32)
+    casts = (Step("xq_out.type_as(query): Q", (kept(p, ledger.Q),)),
+             Step("xk_out.type_as(key): K", (kept(p, ledger.K),), frees=returned)) if cast else (
+        Step("", frees=returned),)
+    return (*upcast, *rotated("q", 4 * q // z.act), *rotated("k", 4 * kv // z.act), *casts)
+
+
+def _cos_sin_backward(p: str, z: Sizes, q: int, kv: int) -> tuple[Step, ...]:
+    """k's chain, then q's (autograd's latest node first): dY up to fp32, the products' gradients, the halves' slices
+    back to full width (the second added in place into the first, as the input buffer holds it alone) and cos's;
+    then k's cast down to bf16, and q's (the head norms' dY). In fp32 no casts: each sum is the head norm's dY."""
+    g, cast = f"grad/{p}/attention", z.act != 4
+    fp32 = {"q": 4 * q // z.act, "k": 4 * kv // z.act}
+
+    def total(x: str) -> str:
+        """x's fp32 gradient, summed from its rotation's (in fp32 the head norm's dY itself)."""
+        return f"{g}/d{x} rope sum" if cast else f"{g}/d{x} normed"
+
+    def chain(x: str, last: bool) -> tuple[Step, ...]:
+        """x's gradient through its rotation, into `total(x)`."""
+        d, dy, n = f"{g}/d{x} rope", f"{g}/d{x} fp32" if cast else f"{g}/d{x}", fp32[x]
+        return (Step(f"rotate_half({x}) * sin's backward: dY * sin", (Made(f"{d} sin", n, "fp32"),)),
+                Step("-x2's backward", (Made(f"{d} -x2", n // 2, "fp32, half the channels"),)),
+                Step("x2's slice backward: to full width", (Made(total(x), n, "fp32, x's gradient"),),
+                     frees=(f"{d} -x2",)),
+                Step("x1's slice backward: to full width", (Made(f"{d} x1", n, "fp32"),), frees=(f"{d} sin",)),
+                Step("added in place", frees=(f"{d} x1",)),
+                Step(f"{x} * cos's backward: dY * cos", (Made(f"{d} cos", n, "fp32"),), returns=last),
+                Step("added in place", frees=(f"{d} cos", *((dy,) if cast else ()))))
+    if not cast:
+        return (*chain("k", False), *chain("q", True))
+    return (Step("K's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32["k"], "fp32"),)),
+            Step("Q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32["q"], "fp32"),)),
+            *chain("k", False), *chain("q", True),
+            Step("k.float()'s backward: to bf16", (Made(f"{g}/dk normed", kv, "bf16"),), frees=(total("k"),)),
+            Step("q.float()'s backward: to bf16", (Made(f"{g}/dq normed", q, "bf16"),), frees=(total("q"),)))
 
 
 def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
