@@ -60,7 +60,7 @@ def test_under_tp_sp_the_stream_keeps_its_receive_buffers_layout_so_no_copy_make
     assert any("(dY made contiguous)" in x for x in labels) is not sent
 
 
-def test_pp_with_dp_shard_is_refused_by_name():
+def test_pp_with_dp_shard_beside_tp_is_refused_by_name():
     with pytest.raises(ConfigError, match="pp with dp_shard"):
         _timeline("first", "tp-sp", t=2, dp_shard=2)
 

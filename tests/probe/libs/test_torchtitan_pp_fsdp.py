@@ -18,7 +18,8 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.torchtitan_pp import measure_torchtitan_pp_fsdp_step_on_rank  # noqa: E402
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank  # noqa: E402
-from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES  # noqa: E402
+from memcalc.sizing.timeline import (  # noqa: E402
+    ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, timeline)
 from memcalc.sizing.timeline.fsdp import stage_params  # noqa: E402
 from memcalc.sizing.timeline.tape import prod  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
@@ -71,6 +72,18 @@ def _rope_buffers(config, stage):
     """Each block's ComplexRoPE table, a buffer FSDPMemTracker files with the parameters: complex64 (s, d/2)."""
     held = next(x for x in pipeline_stages(config) if x.name == stage).layers
     return held * 8 * config.s * (config.h // config.a // 2)
+
+
+@pytest.mark.parametrize(("changes", "stage"), _stages(CASES))
+def test_each_stage_peaks_where_the_walk_says_to_the_byte(measured, changes, stage):
+    """The walk (memcalc.sizing.timeline.torchtitan_pp under FSDP2) against FSDPMemTracker: the peak's moment, each
+    category at it and between steps."""
+    config = make_config(LLAMA3 | changes)
+    predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"), stage)
+    r = measured[str(changes), stage]
+    assert f"{predicted.peak.phase} {predicted.peak.where}".strip() == r.moment
+    assert predicted.peak.by_category() == {c: r.peak.get(c, 0) for c in predicted.peak.by_category()}
+    assert predicted.steady.by_category() == {c: r.steady.get(c, 0) for c in predicted.steady.by_category()}
 
 
 @pytest.mark.parametrize(("changes", "stage"), _stages(CASES))
