@@ -134,6 +134,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
+    pp_sharded = config.pp > 1 and config.dp_shard is not None
     missing = [
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
@@ -156,10 +157,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        # pp with dp_shard is measured on a pp x dp_shard mesh (memcalc.probe.libs.torchtitan_pp) at t = 1, dense
-        (config.pp > 1 and config.dp_shard is not None and (sharded_tp or config.moe or (config.dp_replicate or 1) > 1),
-         "pp with dp_shard beside tp, experts or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1, dense,"
-         " without HSDP)"),
+        # pp with dp_shard is measured on a pp x dp_shard mesh (memcalc.probe.libs.torchtitan_pp) at t = 1, ep = 1
+        (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
+         "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
+         " ep = 1, without HSDP)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
         # the layer's tensors are measured (memcalc.model.impls.torchtitan); its ops (the head norms, CosSinRoPE's
