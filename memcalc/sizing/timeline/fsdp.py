@@ -286,14 +286,14 @@ class Fsdp:
         tape.drop(name)
         return reduced
 
-    def _dim0_copies(self, tape: Tape, block: str, where: str, grads: list[str]) -> list[str]:
+    def _dim0_copies(self, tape: Tape, block: str, where: str, grads: list[str], made: str) -> list[str]:
         """foreach_reduce's first loop: each Shard(1) gradient chunked on dim 1 and concatenated on dim 0, a copy in
         the flat list; the originals, still referenced by the loop, go (measured) with the last one's copy, all but
         the last: its loop variable holds it until foreach_reduce returns. The Shard(1) gradients' names."""
         dim1 = [n for n in (f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.dim1)
                 if n in grads]  # in registration order, as FSDP2 loops over them
         for i, name in enumerate(dim1):
-            tape.add(f"{name} (dim 0)", TEMPORARIES, tape.live[name].bytes, "a Shard(1) gradient's chunks"
+            tape.add(f"{name} (dim 0)", made, tape.live[name].bytes, "a Shard(1) gradient's chunks"
                      " concatenated on dim 0, for the reduce-scatter's copy-in")
             if i == len(dim1) - 1:
                 tape.drop(*dim1[:-1])
@@ -325,7 +325,7 @@ class Fsdp:
         # the previous block's reduce-scatter buffer, waited on now
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
-        dim1 = self._dim0_copies(tape, block, where, grads)
+        dim1 = self._dim0_copies(tape, block, where, grads, made)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
         tape.add(rs, made, self.reduce * whole,
@@ -371,7 +371,7 @@ class Fsdp:
         grads = [n for n in (f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params) if n in tape.live]
         for i, name in enumerate(grads):
             tape.drop(*grads[i - 1:i])
-            accumulated = accumulated_name(name)
+            accumulated = name.replace(" grad ", " accumulated ", 1)
             if accumulated not in tape.live:
                 tape.add(accumulated, TEMPORARIES, tape.live[name].bytes // self.act * self.reduce,
                          "the unsharded gradient in reduce_dtype, accumulated over the micro-batches")
@@ -392,8 +392,3 @@ class Fsdp:
             self.reduce_scatter(tape, unit.name, "", grads, made=ACTIVATIONS)
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         self.finalize_backward(tape)
-
-
-def accumulated_name(grad: str) -> str:
-    """The name of FSDP2's unsharded_accumulated_grad of the unsharded gradient named `grad`."""
-    return grad.replace(" grad ", " accumulated ", 1)

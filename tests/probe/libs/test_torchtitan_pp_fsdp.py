@@ -28,7 +28,7 @@ from memcalc.sizing.totals import per_gpu  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
 
-from ..step_readings import torchtitan_pp_fsdp_readings  # noqa: E402
+from ..step_readings import assert_moments_in_order, torchtitan_pp_fsdp_readings  # noqa: E402
 
 # As the FSDP2 step tests' Llama3 (an ffn width dp_shard = 4 pads), on pp = 2 by dp_shard = 2 unless a case says.
 LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102, "pp": 2, "dp_shard": 2}
@@ -49,6 +49,7 @@ MORE_CASES = [
      "all-to-one", "cpu"),
     (MOE | {"pp": 3, "L": 5, "moe_layer_freq": 2, "recompute": "full", "b": 3, "s": 5, "dp_shard": 3}, "balanced",
      "cpu"),
+    (MOE | {"num_experts": 2, "moe_router_topk": 1, "dp_shard": 4, "b": 1, "s": 7}, "all-to-one", "cpu"),  # dim 1
     ({}, None, "cuda"),
     ({"recompute": "full", "dtype": "fp32", "b": 1, "s": 7, "dp_shard": 3, "num_microbatches": 3}, None, "cuda"),
     (MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}, "balanced", "cuda"),
@@ -112,6 +113,19 @@ def test_with_experts_and_on_cudas_kernels_each_stage_peaks_where_the_walk_says(
     r = run_fake(measure_torchtitan_pp_fsdp_step_on_rank, (config, STRATEGIES["none"], route, device),
                  config.pp * config.dp_shard, rank=stage_rank(stage, config.pp) * config.dp_shard)
     _assert_walked(config, stage, r, device)
+
+
+@pytest.mark.parametrize(("changes", "route", "stage"), [
+    *((c, None, x) for c, x in _stages([CASES[0], CASES[2], CASES[4]])),
+    *((c, "balanced", x.name) for c in [MOE | {"num_experts": 2, "moe_router_topk": 1, "dp_shard": 4, "b": 1, "s": 7}]
+      for x in pipeline_stages(make_config(LLAMA3 | c)))], ids=str)
+def test_every_moment_the_walk_names_has_its_bytes_after_some_op_in_order(one_thread, changes, route, stage):
+    """Each micro-batch's gathers, accumulations and the step's end's reduce-scatters as FSDPMemTracker reads them
+    (at dp_shard 4 over 2 experts FSDP2 shards them on dim 1). By bytes alone: after the last backward
+    perform_reduce_grad runs outside any module's hooks, where FSDPMemTracker names the last module it saw."""
+    config = make_config(LLAMA3 | changes)
+    moments = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"), stage).moments[1:-1]
+    assert_moments_in_order(moments, torchtitan_pp_fsdp_readings(config, stage, route), places=())
 
 
 def test_under_tp_the_stage_is_refused_as_its_3d_layout_does_not_run():
