@@ -88,6 +88,7 @@ class _Schedule:
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
     walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by `_walk`'s key
+    fsdp_names: dict[str, None] = field(default_factory=dict)  # FSDP2's tensors the walks traced made, in order
 
     def __post_init__(self) -> None:
         parts, layers = self.parts, stage_layers(self.parts.config, self.stage)  # the layers the stage's chunk holds
@@ -145,6 +146,8 @@ class _Schedule:
             return done
         walks = [replace(x, walk=x.walk.copy()) for x in segments]
         self.walked[key] = done = _Walked(found, tape.traced(lambda: self._segments(walks, backward)))
+        made_here = (x.name for x in done.trace.log if type(x) is not str)
+        self.fsdp_names |= dict.fromkeys(x for x in made_here if x.startswith(FSDP))
         if not backward:  # the walks' state, from which a micro-batch's backward walks
             done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
             first = before[0] if before else done  # the forward's first walk: what was live before it
@@ -152,9 +155,9 @@ class _Schedule:
         return done
 
     def found(self) -> tuple[Live, ...]:
-        """The tensors live under the names the stage's ops know (a Live names itself), and FSDP2's."""
-        live = self.parts.tape.live
-        return (*filter(None, map(live.get, self.names)), *(x for n, x in live.items() if n.startswith(FSDP)))
+        """The tensors live under the names the stage's ops know (a Live names itself), and FSDP2's: any live was
+        made by a walk traced before (`fsdp_names`)."""
+        return tuple(filter(None, map(self.parts.tape.live.get, (*self.names, *self.fsdp_names))))
 
     def _segments(self, walks: list[Segment], backward: bool) -> None:
         """The forward of `walks` (or their `backward`, last first), under FSDP2 with its hooks: in forward the
