@@ -100,8 +100,8 @@ def stage_units(c: ModelConfig, stage: Stage, t: int) -> tuple[Unit, ...]:
     that hold the chunk its pipeline_llm cuts out (the rank's blocks, tok_embeddings on the first, norm and lm_head on
     the last)."""
     ends = {"tok_embeddings": stage.has_embedding, OUTPUT: stage.has_output}
-    held = {f"layers.{i}" for i in c.rank_chunks(stage_rank(stage.name, c.pp))[0]}
-    return tuple(u for u in torchtitan_units(c, t) if ends.get(u.name, u.name in held))
+    units = torchtitan_units(c, t, c.rank_chunks(stage_rank(stage.name, c.pp))[0])
+    return tuple(u for u in units if ends.get(u.name, True))
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -110,13 +110,13 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
     return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
 
 
-def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
+def torchtitan_units(c: ModelConfig, t: int, layers: range | None = None) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its Llama3Model (memcalc.sizing.params.torchtitan_layer_params): the
-    embedding, each block, and norm with lm_head, never resharded after forward ("as an optimization": FSDP2 would
-    prefetch them at once). Under pp its "default" policy reshards none after forward."""
+    embedding, each block (of `layers`, all by default), and norm with lm_head, never resharded after forward ("as an
+    optimization": FSDP2 would prefetch them at once). Under pp its "default" policy reshards none after forward."""
     reshard = c.reshard_after_forward and c.pp == 1
     blocks = (Unit(f"layers.{i}", torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i)), reshard)
-              for i in range(c.L))
+              for i in (range(c.L) if layers is None else layers))
     return (Unit("tok_embeddings", part(c, t, "first"), reshard), *blocks,
             Unit(OUTPUT, part(c, t, "last"), False))
 
