@@ -602,7 +602,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     trainer = _trainer(config)
     out = []
     for strategy, predicted in planned:
-        if config.pp > 1:  # this process is the stage's rank (tp rank 0) of pp x t through the fake group
+        if config.pp > 1:  # this process is the stage's first rank of pp x t or pp x dp_shard through the fake group
             world, rank = stage_world(config, strategy, predicted.stage)
             measured = run_fake(trainer, (config, strategy, route, device), math.prod(world.values()), rank=rank)
             words = _in_words(world) if math.prod(world.values()) > config.pp else ""
