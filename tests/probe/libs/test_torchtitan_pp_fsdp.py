@@ -3,9 +3,9 @@ pipeline_llm builds on a stage's rank, laid out by its own parallelize_llama, ru
 torch's FSDPMemTracker (memcalc.probe.libs.torchtitan_pp), against the step timeline's walk of it
 (memcalc.sizing.timeline.torchtitan_pp; dense and with experts at ep = 1, on the CPU's kernels and CUDA's) and
 memcalc's own tables of the stage's parameters (memcalc.sizing.totals, memcalc.sizing.timeline.fsdp.stage_params).
-Under pp torchtitan's "default" policy never reshards after forward, and the schedule runs every micro-batch's backward with
-set_requires_gradient_sync(False) and set_reshard_after_backward(False), then each unit's post_backward once
-(perform_reduce_grad): every unit stays unsharded from the first forward to the step's end, its gradients kept
+Under pp torchtitan's "default" policy never reshards after forward, and the schedule runs every micro-batch's
+backward with set_requires_gradient_sync(False) and set_reshard_after_backward(False), then each unit's post_backward
+once (perform_reduce_grad): every unit stays unsharded from the first forward to the step's end, its gradients kept
 unsharded in the reduce dtype (fp32) until one reduce-scatter at the end."""
 
 import pytest
