@@ -552,7 +552,8 @@ class StepComparison:
     def how(self) -> str:
         on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.predicted.stage != "only":
-            stage = f"the {self.predicted.stage} pipeline stage" + (", its tp rank 0" if self.world else "")
+            first = f", its {'dp_shard' if 'dp_shard' in self.world else 'tp'} rank 0" if self.world else ""
+            stage = f"the {self.predicted.stage} pipeline stage{first}"
             return (f"one process as rank {self.rank} of {self.world or f'pp={self.measured.t}'} ({stage})"
                     f" through torch's fake process group {on}")
         if self.launch is Mode.FAKE:
@@ -601,10 +602,10 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     trainer = _trainer(config)
     out = []
     for strategy, predicted in planned:
-        if config.pp > 1:  # this process is the stage's rank (tp rank 0) of pp x t through the fake group
+        if config.pp > 1:  # this process is the stage's first rank of pp x t or pp x dp_shard through the fake group
             world, rank = stage_world(config, strategy, predicted.stage)
             measured = run_fake(trainer, (config, strategy, route, device), math.prod(world.values()), rank=rank)
-            words = _in_words(world) if world["t"] > 1 else ""
+            words = _in_words(world) if math.prod(world.values()) > config.pp else ""
             out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device, words, rank))
             continue
         world = _fake_world(config, strategy)
@@ -617,11 +618,12 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
 
 def stage_world(config: ModelConfig, strategy: Strategy, stage: str) -> tuple[dict[str, int], int]:
-    """The factors of the fake group's world a pipeline stage's step runs on, pp x t (t under a TP strategy, else 1),
-    and the rank this process runs as: the stage's tp rank 0, as torchtitan's ParallelDims lays the ranks out (pp
-    outermost)."""
+    """The factors of the fake group's world a pipeline stage's step runs on, pp x t (t under a TP strategy, else 1)
+    or under FSDP2 pp x dp_shard, and the rank this process runs as: the stage's first, as torchtitan's ParallelDims
+    lays the ranks out (pp outermost)."""
     t = config.t if strategy.tensor_parallel else 1
-    return {"pp": config.pp, "t": t}, stage_rank(stage, config.pp) * t
+    inner = {"dp_shard": config.dp_shard} if config.dp_shard is not None else {"t": t}
+    return {"pp": config.pp} | inner, stage_rank(stage, config.pp) * math.prod(inner.values())
 
 
 def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:
@@ -673,6 +675,7 @@ STEP_TRAINERS = {
     ("torchtitan", ""): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", "fsdp"): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
     ("torchtitan", "pp"): ("memcalc.probe.libs.torchtitan_pp", "measure_torchtitan_pp_step_on_rank"),
+    ("torchtitan", "pp fsdp"): ("memcalc.probe.libs.torchtitan_pp", "measure_torchtitan_pp_fsdp_step_on_rank"),
     ("megatron", ""): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank"),
 }
 
@@ -687,8 +690,8 @@ def _megatron_modules(config: ModelConfig) -> list[str]:
 def _trainer(config: ModelConfig) -> Callable[..., StepMeasurement]:
     """memcalc's own GPT's step, or the one `STEP_TRAINERS` names, imported only then; the MoE runners take the
     route too."""
-    key = (config.impl, "fsdp" if config.dp_shard is not None else "zero" if config.zero_stage is not None
-           else "pp" if config.pp > 1 else "")
+    sharding = "fsdp" if config.dp_shard is not None else "zero" if config.zero_stage is not None else ""
+    key = (config.impl, " ".join(x for x in ("pp" if config.pp > 1 else "", sharding) if x))
     if key not in STEP_TRAINERS or config.impl == "megatron" and not _megatron_modules(config):
         return measure_step_on_rank
     runner(config.impl)  # ProbeError naming the extra to install when the library is missing

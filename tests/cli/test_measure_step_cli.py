@@ -93,17 +93,22 @@ def test_impl_torchtitan_under_pp_measures_the_first_and_the_last_stage_each_on_
     assert all(x["match"] and x["moment"]["match"] for x in stages.values())
 
 
-def test_impl_torchtitan_under_pp_and_tp_sp_measures_each_stage_as_tp_rank_0_of_its_pp_x_t_world(tmp_path):
+@pytest.mark.parametrize("strategy, layout, inner, first", [("tp-sp", "", "t", "tp"),
+                                                            ("none", "dp_shard: 2\n", "dp_shard", "dp_shard")])
+def test_impl_torchtitan_under_pp_and_tp_sp_or_dp_shard_measures_each_stage_as_the_first_rank_of_its_world(
+        tmp_path, strategy, layout, inner, first):
+    """pp x t, each stage's chunk under its TP plan; or pp x dp_shard, FSDP2 on each stage's chunk
+    (memcalc.probe.libs.torchtitan_pp.measure_torchtitan_pp_fsdp_step_on_rank)."""
     pytest.importorskip("torchtitan")
     path = tmp_path / "titan.yaml"
-    path.write_text(STEP_YAML + "impl: torchtitan\npp: 2\nnum_query_groups: 2\nffn_hidden_size: 176\n"
+    path.write_text(STEP_YAML + layout + "impl: torchtitan\npp: 2\nnum_query_groups: 2\nffn_hidden_size: 176\n"
                     "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
-    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "tp-sp", "--json")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", strategy, "--json")
     assert run.code == 0, run.err
     stages = json.loads(run.out)["strategies"]
     assert [x["how"].split(" through")[0] for x in stages.values()] == [
-        "one process as rank 0 of pp*t=2*2=4 (the first pipeline stage, its tp rank 0)",
-        "one process as rank 2 of pp*t=2*2=4 (the last pipeline stage, its tp rank 0)"]
+        f"one process as rank 0 of pp*{inner}=2*2=4 (the first pipeline stage, its {first} rank 0)",
+        f"one process as rank 2 of pp*{inner}=2*2=4 (the last pipeline stage, its {first} rank 0)"]
     assert all(x["match"] and x["moment"]["match"] for x in stages.values())
 
 

@@ -95,9 +95,10 @@ def assert_moments_in_order(moments: Sequence[Moment], readings: list[tuple[str,
         position = found
 
 
-def torchtitan_pp_fsdp_readings(config, stage: str) -> list[tuple[str, dict[str, int]]]:
+def torchtitan_pp_fsdp_readings(config, stage: str, route: str | None = None) -> list[tuple[str, dict[str, int]]]:
     """FSDPMemTracker's reading after every op of one step of torchtitan's pipeline stage `stage` under its
-    parallelize_llama (FSDP2 over dp_shard), on the stage's first rank of pp x dp_shard."""
+    parallelize_llama (FSDP2 over dp_shard; with experts its routers forced to `route`), on the stage's first rank of
+    pp x dp_shard."""
     from memcalc.model.strategy import STRATEGIES
     from memcalc.probe.launch import run_fake
     from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker
@@ -108,7 +109,7 @@ def torchtitan_pp_fsdp_readings(config, stage: str) -> list[tuple[str, dict[str,
 
     def on_rank(group):
         with sharded_pipeline_runtime(group, config, plan) as dims:
-            trainer = warmed_up_sharded_stage(group, config, plan, dims)
+            trainer = warmed_up_sharded_stage(group, config, plan, dims, route)
             tracker = reading_every_op(FsdpMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
             tracker.readings = []
             trainer.register(tracker)

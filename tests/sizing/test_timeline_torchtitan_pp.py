@@ -9,7 +9,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import torchtitan_stages
 from memcalc.sizing.timeline import ACTIVATIONS, timelines, timeline
-from memcalc.sizing.timeline.torchtitan_pp import _Schedule, schedule
+from memcalc.sizing.timeline.torchtitan_pp import FSDP, _Schedule, schedule
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
 
@@ -60,9 +60,10 @@ def test_under_tp_sp_the_stream_keeps_its_receive_buffers_layout_so_no_copy_make
     assert any("(dY made contiguous)" in x for x in labels) is not sent
 
 
-def test_pp_with_dp_shard_is_refused_by_name():
-    with pytest.raises(ConfigError, match="pp with dp_shard"):
-        _timeline("first", "tp-sp", t=2, dp_shard=2)
+@pytest.mark.parametrize("strategy, changes", [("tp-sp", {"t": 2}), ("none", {"dp_replicate": 2})])
+def test_pp_with_dp_shard_beside_tp_or_hsdp_is_refused_by_name(strategy, changes):
+    with pytest.raises(ConfigError, match="pp with dp_shard beside tp, ep > 1 or dp_replicate"):
+        _timeline("first", strategy, dp_shard=2, **changes)
 
 
 def test_more_walked_layers_than_the_walk_takes_are_refused_counting_every_micro_batch():
@@ -88,6 +89,11 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_t
 
 # under tp and tp-sp too: each stage's chunk on this rank's shards, a stage's stream in its buffers' layout
 TP_MOE = MOE | {"moe_ffn_hidden_size": 32, "t": 2}
+# under FSDP2: micro-batch 0's backward makes each accumulated gradient, a later one's finds it (in fp32 the .grad)
+FSDP_CASES = [({"dp_shard": 2, "num_microbatches": 4, "recompute": "op"}, "cuda", "none"),
+              ({"dp_shard": 3, "pp": 3, "L": 4, "num_microbatches": 5, "dtype": "fp32", "recompute": "full"}, "cpu",
+               "none"),
+              (MOE | {"dp_shard": 2, "L": 4, "moe_layer_freq": 2, "num_microbatches": 3}, "cpu", "none")]
 
 
 @pytest.mark.parametrize("changes, device, strategy", [
@@ -100,6 +106,7 @@ TP_MOE = MOE | {"moe_ffn_hidden_size": 32, "t": 2}
     ({"pp": 3, "L": 6, "num_microbatches": 5, "t": 2}, "cpu", "tp-sp"),
     ({"pp": 4, "L": 8, "num_microbatches": 6, "recompute": "op", "t": 2}, "cuda", "tp"),
     (TP_MOE | {"pp": 3, "L": 4, "ep": 2, "recompute": "full", "num_microbatches": 4}, "cpu", "tp-sp"),
+    *FSDP_CASES,
 ])
 def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_would(monkeypatch, changes, device,
                                                                                      strategy):
@@ -132,18 +139,21 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
      "cuda", "none"),
     ({"pp": 3, "L": 6, "num_microbatches": 4, "recompute": "op", "t": 2}, "cpu", "tp-sp"),
     (TP_MOE | {"pp": 2, "L": 4, "moe_shared_expert_intermediate_size": 48}, "cpu", "tp"),
+    *FSDP_CASES,
 ])
 def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is_keyed_on(monkeypatch, changes,
                                                                                           device, strategy):
-    """The replay is exact only if a walk changes no tensor outside the stage's `names`: every change its trace logs
-    (a tensor made, freed or renamed) is under one of them."""
+    """The replay is exact only if a walk changes no tensor outside the stage's `names` and FSDP2's (every tensor
+    under fsdp/, all of which its key holds): every change its trace logs (a tensor made, freed or renamed) is under
+    one of them."""
     config = make_config(LLAMA3, **({"pp": 2} | changes))
     walk, outside = _Schedule._walk, set()
 
     def walk_anew(self, what, segments, backward=False, before=()):
         self.walked.clear()  # every micro-batch walked, none replayed
         done = walk(self, what, segments, backward, before)
-        outside.update({x if isinstance(x, str) else x.name for x in done.trace.log} - set(self.names))
+        logged = {x if isinstance(x, str) else x.name for x in done.trace.log}
+        outside.update(x for x in logged - set(self.names) if not x.startswith(FSDP))
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
     timelines(config, STRATEGIES[strategy], Accounting(exact=True, device=device))

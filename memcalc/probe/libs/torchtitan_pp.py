@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
@@ -166,26 +167,31 @@ def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[
     return received, sent
 
 
-def measure_torchtitan_pp_fsdp_step_on_rank(group: TensorParallelGroup, config: ModelConfig,
-                                            strategy: Strategy) -> StepMeasurement:
+def measure_torchtitan_pp_fsdp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                            route: str | None = None, device: str = "cpu") -> StepMeasurement:
     """This rank's pipeline stage of torchtitan's Llama3Model under FSDP2 (the group is the pp x dp_shard world, this
     process the stage's first dp_shard rank): the chunk pipeline_llm builds there, laid out by torchtitan's own
-    parallelize_llama as its parallelize_fn lays out each chunk, stepped once, then one step measured by
+    parallelize_llama as its parallelize_fn lays out each chunk (with experts its routers forced to `route`; on
+    `device` cuda run as CUDA runs it), stepped once, then one step measured by
     FSDPMemTracker (memcalc.probe.libs.hf_fsdp). Under pp torchtitan's "default" reshard policy keeps each unit
     unsharded after forward, and torch's schedule keeps the units unsharded and their gradients unreduced through every
     micro-batch's backward (set_requires_gradient_sync(False)), reduce-scattering them once at the step's end
     (perform_reduce_grad): docs/timeline.md, "torchtitan's pipeline"."""
     from memcalc.probe.libs.hf_fsdp import measure_sharded
 
-    with sharded_pipeline_runtime(group, config, strategy) as dims:
-        return measure_sharded(warmed_up_sharded_stage(group, config, strategy, dims), group, strategy)
+    with sharded_pipeline_runtime(group, config, strategy, device) as dims:
+        trainer = warmed_up_sharded_stage(group, config, strategy, dims, route, device)
+        return measure_sharded(trainer, group, strategy)
 
 
 @contextmanager
-def sharded_pipeline_runtime(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Any]:
+def sharded_pipeline_runtime(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                             device: str = "cpu") -> Iterator[Any]:
     """The pipeline's runtime on the fake group (the shim's `pipeline_on_fake_group`) and torchtitan's meshes over
-    the pp x dp_shard world (torchtitan_step.data_parallel): the ParallelDims."""
-    with shim.pipeline_on_fake_group(), data_parallel(group, config, strategy) as dims:
+    the pp x dp_shard world (torchtitan_step.data_parallel): the ParallelDims; for `device` cuda its flex attention
+    run on the CPU."""
+    with shim.pipeline_on_fake_group(), data_parallel(group, config, strategy) as dims, \
+            shim.flex_on_cpu() if device == "cuda" else nullcontext():
         yield dims
 
 
@@ -200,9 +206,10 @@ class ShardedStageTrainer:
     optimizer: Any
     schedule: Any
     microbatches: int
+    cuda: bool = False  # CUDA's path: each micro-batch's positions and block mask made before the step
 
     def step(self) -> None:
-        scheduled_step(self.schedule, self.config, self.microbatches, self.model, cuda=False)  # the CPU's kernels
+        scheduled_step(self.schedule, self.config, self.microbatches, self.model, self.cuda)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
@@ -214,16 +221,27 @@ class ShardedStageTrainer:
 
 
 def warmed_up_sharded_stage(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
-                            dims: Any) -> ShardedStageTrainer:
+                            dims: Any, route: str | None = None, device: str = "cpu") -> ShardedStageTrainer:
     """This rank's stage (inside `sharded_pipeline_runtime`, its `dims`): the chunk (built in fp32, torchtitan's
-    training.dtype) sharded by parallelize_llama over `dims`'s dp_shard ranks, in its PipelineStage on the pipeline's
-    ranks, stepped once."""
+    training.dtype; on `device` cuda with its flex attention and fused norms) sharded by parallelize_llama over
+    `dims`'s dp_shard ranks (with experts each router forced to `route`), in its PipelineStage on the pipeline's
+    ranks, stepped once. At t = 1 only: ProbeError under tp."""
+    check_route(config, route)
+    if strategy.weight_shards(config.t) > 1:
+        # its 3-D layout fails there: the stage's received input is a plain tensor, which the chunk's DTensor
+        # stream (torchtitan's FSDP2 with TP) will not multiply
+        raise ProbeError(f"impl torchtitan: --step with pp and dp_shard runs at t = 1 (t={config.t} given)")
     mesh = dims.get_mesh("pp")
-    chunk = _chunk(config, mesh.get_local_rank(), strategy.sequence_parallel, torch.float32)
+    chunk = _chunk(config, mesh.get_local_rank(), strategy.sequence_parallel, torch.float32, device == "cuda")
+    if device == "cuda":  # fused before its plan wraps them, as `warmed_up_stage` fuses them
+        shim.fused_norms(chunk)
     parallelized(chunk, config, dims, group.device)
     chunk.train()
+    if config.moe:
+        shim.route_gates(chunk, route, config.moe_router_topk, config.ep)
     _, schedule = _scheduled(chunk, config, mesh.get_local_rank(), group.device, mesh, config.s)
     optimizer = torch.optim.AdamW(chunk.parameters(), lr=1e-4, fused=True)
-    trainer = ShardedStageTrainer(config, chunk, optimizer, schedule, torchtitan_microbatches(config))
+    trainer = ShardedStageTrainer(config, chunk, optimizer, schedule, torchtitan_microbatches(config),
+                                  device == "cuda")
     trainer.step()
     return trainer

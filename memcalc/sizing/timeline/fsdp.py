@@ -92,9 +92,16 @@ def stage_params(c: ModelConfig, stage: Stage, t: int) -> tuple[Param, ...]:
         layers = (x for i in range(stage.layers) for x in hf_layer(c, t, i).params)
         return (*(part(c, t, "first") if stage.has_embedding else ()), *layers,
                 *(part(c, t, "last") if stage.has_output else ()))
+    return tuple(x for u in stage_units(c, stage, t) for x in u.params)
+
+
+def stage_units(c: ModelConfig, stage: Stage, t: int) -> tuple[Unit, ...]:
+    """torchtitan's units on a pipeline stage, in its chunk's module order: the whole model's (`torchtitan_units`)
+    that hold the chunk its pipeline_llm cuts out (the rank's blocks, tok_embeddings on the first, norm and lm_head on
+    the last)."""
     ends = {"tok_embeddings": stage.has_embedding, OUTPUT: stage.has_output}
-    held = {f"layers.{i}" for i in c.rank_chunks(stage_rank(stage.name, c.pp))[0]}
-    return tuple(x for u in torchtitan_units(c, t) if ends.get(u.name, u.name in held) for x in u.params)
+    units = torchtitan_units(c, t, c.rank_chunks(stage_rank(stage.name, c.pp))[0])
+    return tuple(u for u in units if ends.get(u.name, True))
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:
@@ -103,13 +110,14 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
     return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
 
 
-def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
+def torchtitan_units(c: ModelConfig, t: int, layers: range | None = None) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its Llama3Model (memcalc.sizing.params.torchtitan_layer_params): the
-    embedding, each block, and norm with lm_head, never resharded after forward ("as an optimization": FSDP2 would
-    prefetch them at once)."""
-    blocks = (Unit(f"layers.{i}", torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i)),
-                   c.reshard_after_forward) for i in range(c.L))
-    return (Unit("tok_embeddings", part(c, t, "first"), c.reshard_after_forward), *blocks,
+    embedding, each block (of `layers`, all by default), and norm with lm_head, never resharded after forward ("as an
+    optimization": FSDP2 would prefetch them at once). Under pp its "default" policy reshards none after forward."""
+    reshard = c.reshard_after_forward and c.pp == 1
+    blocks = (Unit(f"layers.{i}", torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i)), reshard)
+              for i in (range(c.L) if layers is None else layers))
+    return (Unit("tok_embeddings", part(c, t, "first"), reshard), *blocks,
             Unit(OUTPUT, part(c, t, "last"), False))
 
 
@@ -128,17 +136,19 @@ class Fsdp:
     partial: frozenset[str] = frozenset()  # modules whose weight's gradient DTensor leaves Partial over t
     dim1: frozenset[str] = frozenset()  # parameters sharded on dim 1 (Shard(1): evenly, no padding)
     replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
+    sync: bool = True  # False: each backward keeps the gradients unreduced (`accumulate_unsynced`)
 
     @classmethod
-    def torchtitan(cls, config: ModelConfig, t: int, sp: bool) -> Fsdp:
-        """torchtitan's layout (torchtitan_units) over dp_shard ranks, on this rank's shards of t under its TP plan,
-        its trainer's zero_grad(set_to_none=False). Under sequence parallelism the norms run on this rank's tokens
-        alone: their Replicate weights' gradients are Partial sums over t."""
-        units = torchtitan_units(config, t)
+    def torchtitan(cls, config: ModelConfig, t: int, sp: bool, stage: Stage | None = None) -> Fsdp:
+        """torchtitan's layout (torchtitan_units; on a pipeline `stage` its chunk's, `stage_units`) over dp_shard
+        ranks, on this rank's shards of t under its TP plan, its trainer's zero_grad(set_to_none=False). Under
+        sequence parallelism the norms run on this rank's tokens alone: their Replicate weights' gradients are
+        Partial sums over t. Under pp torch's schedule runs each micro-batch's backward without gradient sync."""
+        units = torchtitan_units(config, t) if stage is None else stage_units(config, stage, t)
         norms = frozenset(p.module for u in units for p in u.params if len(p.shape) == 1) if sp else frozenset()
         dim1 = frozenset(p.module for u in units for p in u.params if expert_dim1(config) and p.group is EXPERTS)
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1)
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1, sync=config.pp == 1)
 
     def unit_of(self, module: str) -> str | None:
         """The unit that holds the parameter of `module` (named by the module's path); None if no unit does."""
@@ -276,14 +286,14 @@ class Fsdp:
         tape.drop(name)
         return reduced
 
-    def _dim0_copies(self, tape: Tape, block: str, where: str, grads: list[str]) -> list[str]:
+    def _dim0_copies(self, tape: Tape, block: str, where: str, grads: list[str], made: str) -> list[str]:
         """foreach_reduce's first loop: each Shard(1) gradient chunked on dim 1 and concatenated on dim 0, a copy in
         the flat list; the originals, still referenced by the loop, go (measured) with the last one's copy, all but
         the last: its loop variable holds it until foreach_reduce returns. The Shard(1) gradients' names."""
         dim1 = [n for n in (f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.dim1)
                 if n in grads]  # in registration order, as FSDP2 loops over them
         for i, name in enumerate(dim1):
-            tape.add(f"{name} (dim 0)", TEMPORARIES, tape.live[name].bytes, "a Shard(1) gradient's chunks"
+            tape.add(f"{name} (dim 0)", made, tape.live[name].bytes, "a Shard(1) gradient's chunks"
                      " concatenated on dim 0, for the reduce-scatter's copy-in")
             if i == len(dim1) - 1:
                 tape.drop(*dim1[:-1])
@@ -297,6 +307,15 @@ class Fsdp:
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = tape.live[name]._replace(category=GRADIENTS)
+        if self.sync:
+            self.reduce_scatter(tape, block, where, grads, modules)
+        else:
+            self.accumulate_unsynced(tape, block, where)
+
+    def reduce_scatter(self, tape: Tape, block: str, where: str, grads: list[str],
+                       modules: tuple[str, ...] | None = None, made: str = TEMPORARIES) -> None:
+        """FSDP2's post-backward of `block` from its unsharded gradients `grads` on: resharded, the gradients
+        reduce-scattered into this rank's shard. `made`: the category FSDPMemTracker files what it makes in."""
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
         partial = [f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.partial]  # in order
@@ -306,10 +325,10 @@ class Fsdp:
         # the previous block's reduce-scatter buffer, waited on now
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
-        dim1 = self._dim0_copies(tape, block, where, grads)
+        dim1 = self._dim0_copies(tape, block, where, grads, made)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
-        tape.add(rs, TEMPORARIES, self.reduce * whole,
+        tape.add(rs, made, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
         # the last parameter in registration order with a gradient (tied, the hf root's is the final norm)
@@ -318,7 +337,7 @@ class Fsdp:
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"
-        tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
+        tape.add(out, made, self.reduce * whole // self.shards,
                  "this rank's shard of the block's gradients, in reduce_dtype")
         tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
         tape.live[rs] = tape.live[rs]._replace(category=GRADIENTS)  # filed as the reduce-scatter's input
@@ -326,7 +345,7 @@ class Fsdp:
         # HSDP: FSDP2 holds the all-reduce's input, the reduce_dtype output, to the end of backward (AllReduceState)
         held_input = f"fsdp/{block} all-reduce"
         if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes, or is held
-            tape.add(f"{out} (fp32)", TEMPORARIES, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
+            tape.add(f"{out} (fp32)", made, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
             tape.mark("backward", where, f"{block}'s gradient shard cast to fp32")
             if self.replicas > 1:
                 tape.rename(out, held_input)
@@ -340,3 +359,36 @@ class Fsdp:
             tape.drop(out)
         else:
             tape.live[out] = tape.live[out]._replace(category=GRADIENTS)
+
+    def accumulate_unsynced(self, tape: Tape, block: str, where: str) -> None:
+        """FSDP2's post-backward under set_requires_gradient_sync(False) and set_reshard_after_backward(False): the
+        unit stays unsharded, and each parameter's unsharded .grad (in registration order) becomes a reduce_dtype
+        copy, its unsharded_accumulated_grad (to_accumulated_grad_if_needed), or, once there is one, is added into it
+        (accumulate_unsharded_grad_if_needed); each .grad goes at the next parameter's op. Where reduce_dtype is
+        param_dtype FSDP2 keeps none: autograd adds each later gradient into the .grad itself."""
+        if self.reduce == self.act:
+            return
+        grads = [n for n in (f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params) if n in tape.live]
+        for i, name in enumerate(grads):
+            tape.drop(*grads[i - 1:i])
+            accumulated = name.replace(" grad ", " accumulated ", 1)
+            if accumulated not in tape.live:
+                tape.add(accumulated, TEMPORARIES, tape.live[name].bytes // self.act * self.reduce,
+                         "the unsharded gradient in reduce_dtype, accumulated over the micro-batches")
+            tape.mark("backward", where, f"FSDP2 accumulates {name.split(' grad ', 1)[1]}'s gradient unreduced")
+        tape.drop(*grads[-1:])
+        tape.mark("backward", where, f"{block}'s gradients accumulated, the unsharded .grads freed")
+
+    def reduce_accumulated(self, tape: Tape) -> None:
+        """The pipeline schedule's perform_reduce_grad at the step's end: each unit's post-backward, in module order,
+        outside autograd's backward (FSDPMemTracker files what it makes as activations), reduce-scatters the
+        gradients accumulated over every micro-batch and reshards the unit; the last reduce-scatter's buffer goes in
+        the final callback."""
+        for unit in self.units:
+            accumulated = [n for n in tape.live if n.startswith(f"fsdp/{unit.name} accumulated ")]
+            for name in accumulated:  # post_backward takes them as the unit's unsharded gradients
+                tape.rename(name, name.replace(" accumulated ", " grad ", 1))
+            grads = [n for n in tape.live if n.startswith(f"fsdp/{unit.name} grad ")]
+            self.reduce_scatter(tape, unit.name, "", grads, made=ACTIVATIONS)
+        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
+        self.finalize_backward(tape)

@@ -53,7 +53,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda",
                 stage_receives=not stage.has_embedding, stage_sends=not stage.has_output)
     tape = Tape()
-    fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
+    fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp, stage) if config.dp_shard is not None else None
     if fsdp is None:
         model_states(tape, unpadded, stage, z)
     else:
@@ -140,6 +140,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
+    pp_sharded = config.pp > 1 and config.dp_shard is not None
     missing = [
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
@@ -162,12 +163,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        # the probe measures a stage on a pp x dp_shard mesh of the fake group (memcalc.probe.libs.torchtitan_pp,
-        # measure_torchtitan_pp_fsdp_step_on_rank); tests/probe/libs/test_torchtitan_pp_fsdp.py pins what a walk must do
-        (config.pp > 1 and config.dp_shard is not None,
-         "pp with dp_shard (FSDP2 on each stage's chunk: under pp its units stay unsharded after forward, and torch's"
-         " schedule keeps them and their unreduced gradients through every micro-batch's backward, reduce-scattered"
-         " once at the step's end; pp is walked at t = 1 and under tp and tp-sp, with experts too)"),
+        # pp with dp_shard is measured on a pp x dp_shard mesh (memcalc.probe.libs.torchtitan_pp) at t = 1, ep = 1
+        (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
+         "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
+         " ep = 1, without HSDP)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -247,10 +246,15 @@ def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
 
 def _keep_grad(tape: Tape, fsdp: Fsdp):
     """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter; a
-    module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS)."""
+    module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS). Where
+    the .grad is there already (under pp, kept from an earlier micro-batch) autograd adds the gradient into it."""
     def keep(where: str, name: str, nbytes: int) -> None:
         param = where if fsdp.unit_of(where) else f"{where}.{name.rsplit('/', 1)[1]}"
-        tape.rename(name, f"fsdp/{fsdp.unit_of(param)} grad {param}")
+        grad = f"fsdp/{fsdp.unit_of(param)} grad {param}"
+        if grad in tape.live:
+            tape.drop(name)
+        else:
+            tape.rename(name, grad)
     return keep
 
 

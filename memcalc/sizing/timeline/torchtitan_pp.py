@@ -15,8 +15,12 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Live, Sizes, Tape, Timeline, Trace, bulk
+from memcalc.sizing.timeline.fsdp import Fsdp
 from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts, stage_layers
 from memcalc.sizing.timeline.walk import Op
+
+
+FSDP = "fsdp/"  # what FSDP2's tensors are named under (memcalc.sizing.timeline.fsdp)
 
 
 def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting,
@@ -24,11 +28,11 @@ def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accou
     """The moments of one training step of torchtitan's Llama3Model on the rank of pipeline stage `stage` (the
     first by default), pp > 1."""
     st = stage_named(config, stage)
-    parts, _ = model_parts(config, strategy, accounting, st)
+    parts, fsdp = model_parts(config, strategy, accounting, st)
     receive_buffers(parts.tape, config, parts.z, st)
     parts.tape.mark("steady", "", "model states between steps")
     with bulk():  # every micro-batch's moments: half a million on gpt3-1t's 64 stages
-        walk_stage(parts, st)
+        walk_stage(parts, st, fsdp)
     return parts.timeline(st.name)
 
 
@@ -44,18 +48,20 @@ def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> 
              f"{m} buffers for {' and for '.join(what)}, one per micro-batch, made by the first step")
 
 
-def walk_stage(parts: Parts, stage: Stage) -> None:
+def walk_stage(parts: Parts, stage: Stage, fsdp: Fsdp | None = None) -> None:
     """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted (on
     CUDA then each micro-batch's positions and block mask, live all step), then each micro-batch's forward and
-    backward (`_Schedule`)."""
+    backward (`_Schedule`), under FSDP2 its gradients reduce-scattered at the step's end (perform_reduce_grad)."""
     z, m = parts.z, torchtitan_microbatches(parts.config)
     count = embedding_ops(replace(z, b=z.b * m, cuda=False))[0]  # the local batch, every micro-batch's ids and labels
     parts.ends(None, "", (count,)).walk.forward((count,))
-    run = _Schedule(parts, stage)
+    run = _Schedule(parts, stage, fsdp)
     for j in range(m if z.cuda else 0):
         run.load(j)
     for forward, j in schedule(m, parts.config.pp, stage_rank(stage.name, parts.config.pp)):
         (run.forward if forward else run.backward)(j)
+    if fsdp is not None:
+        fsdp.reduce_accumulated(parts.tape)
     run.end()
 
 
@@ -69,15 +75,20 @@ class _Schedule:
     Every micro-batch runs the same ops, and a walk of them reads and writes the tape only under the names they know
     (`names`), never another micro-batch's, renamed apart: where it finds the same tensors under those names as an
     earlier micro-batch's walk did (in backward, after the same forward: its walks' state), it does what that one
-    did, which is replayed (`Tape.replay`) rather than walked again."""
+    did, which is replayed (`Tape.replay`) rather than walked again. Under FSDP2 its hooks run at each segment's
+    edges, on the stage's units, whose tensors (every name under fsdp/) its walks find too: each unit gathered by the
+    first forward and kept unsharded (torchtitan's policy under pp), each gradient kept unreduced to the step's end
+    (`Fsdp.accumulate_unsynced`)."""
 
     parts: Parts
     stage: Stage
+    fsdp: Fsdp | None = None
     made: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> what its forward left live
     forwards: dict[int, tuple[_Walked, _Walked]] = field(default_factory=dict)  # micro-batch -> its chunk's and loss's
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
     walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by `_walk`'s key
+    fsdp_names: dict[str, None] = field(default_factory=dict)  # FSDP2's tensors the walks traced made, in order
 
     def __post_init__(self) -> None:
         parts, layers = self.parts, stage_layers(self.parts.config, self.stage)  # the layers the stage's chunk holds
@@ -89,9 +100,6 @@ class _Schedule:
         self.flex = [parts.ends(None, "", (Op("", forward=flex_inputs(parts.z), backward=()),))]
         self.chunk, self.loss = parts.chunk(self.stage, layers, pipelined=True)
         self.names = tuple(set().union(*(x.walk.names(x.ops) for x in (*self.flex, *self.chunk, *self.loss))))
-        # a weight's gradient handed over goes to `hand_over`, outside the walk: kept under its own name here, but
-        # FSDP2's renames it to its unit's (`torchtitan._keep_grad`), a name the replay's key does not follow
-        assert parts.config.dp_shard is None, "torchtitan's pipeline is walked without FSDP2 (check_modelled)"
 
     def load(self, j: int) -> None:
         """Micro-batch j's positions and block mask (CUDA's flex attention reads them), made: live all step."""
@@ -104,7 +112,8 @@ class _Schedule:
             tape.drop(apart(self.latest, self.output))
         self.latest = j
         loss = self._walk(("loss", chunk), self.loss, before=(chunk,))
-        self.forwards[j], self.made[j] = (chunk, loss), loss.made
+        # FSDP2's unsharded units are the stage's, not the micro-batch's
+        self.forwards[j], self.made[j] = (chunk, loss), [x for x in loss.made if not x.startswith(FSDP)]
         tape.rename_all({x: apart(j, x) for x in self.made[j]})
 
     def backward(self, j: int) -> None:
@@ -129,23 +138,42 @@ class _Schedule:
         replayed if walked before as `what` (the walk, and the forward it follows) under the same tensors, else
         walked and traced; a forward also says what it left live, with the walks of the same forward `before` it."""
         tape = self.parts.tape
-        found = tuple(filter(None, map(tape.live.get, self.names)))  # the tensors under them (a Live names itself)
+        found = self.found()
         key = (*what, found)  # the walk's kind, the walk it follows (a _Walked, by identity), the tensors found
         done = self.walked.get(key)
         if done is not None:
             tape.replay(done.trace)
             return done
         walks = [replace(x, walk=x.walk.copy()) for x in segments]
-
-        def walk() -> None:
-            for x in reversed(walks) if backward else walks:
-                (x.walk.backward if backward else x.walk.forward)(x.ops)
-        self.walked[key] = done = _Walked(found, tape.traced(walk))
+        self.walked[key] = done = _Walked(found, tape.traced(lambda: self._segments(walks, backward)))
+        made_here = (x.name for x in done.trace.log if type(x) is not str)
+        self.fsdp_names |= dict.fromkeys(x for x in made_here if x.startswith(FSDP))
         if not backward:  # the walks' state, from which a micro-batch's backward walks
             done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
             first = before[0] if before else done  # the forward's first walk: what was live before it
             done.made = made(first.found, *(x.trace for x in (*before, done)))
         return done
+
+    def found(self) -> tuple[Live, ...]:
+        """The tensors live under the names the stage's ops know (a Live names itself), and FSDP2's: any live was
+        made by a walk traced before (`fsdp_names`)."""
+        return tuple(filter(None, map(self.parts.tape.live.get, (*self.names, *self.fsdp_names))))
+
+    def _segments(self, walks: list[Segment], backward: bool) -> None:
+        """The forward of `walks` (or their `backward`, last first), under FSDP2 with its hooks: in forward the
+        root's returns after the last (its last all-gather buffer freed); in backward the final callback runs the
+        embedding's post-backward (its input, the ids, needs no gradient)."""
+        fsdp, tape = self.fsdp, self.parts.tape
+        if backward:
+            for x in reversed(walks):
+                x.backward(fsdp, None)  # each unit unsharded still: nothing to prefetch
+            if fsdp is not None and "tok_embeddings" in (x.unit for x in walks):
+                fsdp.post_backward(tape, "tok_embeddings", "")
+            return
+        for i, x in enumerate(walks):
+            x.forward(fsdp, walks[i + 1].unit if i + 1 < len(walks) else None)
+        if fsdp is not None:
+            fsdp.forward_done(tape)
 
     def end(self) -> None:
         """The schedule's step returns: its latest output goes, and the last input gradient sent."""

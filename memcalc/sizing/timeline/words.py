@@ -18,6 +18,7 @@ from memcalc.sizing.timeline.zero import BUCKET, GATHERED, PARTITION
 PHRASES: tuple[tuple[str, str], ...] = (
     (r"fsdp/(?P<block>\S+) unsharded", "{of} gathered parameters"),
     (r"fsdp/(?P<block>\S+) grad .*", "{of} unsharded gradients"),
+    (r"fsdp/(?P<block>\S+) accumulated .*", "{of} gradients accumulated unreduced"),
     (r"fsdp/(?P<block>\S+) all-gather", "{of} all-gather buffer"),
     (r"fsdp/(?P<block>\S+) reduce-scatter", "the reduce-scatter of {of} gradients"),
     (re.escape(GATHERED) + r" (?P<block>\S+)", "{of} modules gathered by ZeRO-3"),
