@@ -415,7 +415,7 @@ def _compared_comm(
 ) -> tuple[CommRow, ...]:
     """The collectives one rank issued against the communication ledger's, in order. A collective over a group
     of one rank (t = 1, or ep = 1) sends nothing, and neither memcalc's mappings nor megatron's issue it."""
-    t = config.t if strategy.tensor_parallel else 1
+    t = strategy.weight_shards(config.t)
     methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
     predicted = tuple(c for c in layer_collectives(config, strategy, methods, t, overlap.num_splits, config.ep)
                       if c.group.size(t, config.ep) > 1)

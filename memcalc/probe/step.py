@@ -29,7 +29,7 @@ from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
-from memcalc.probe.recorder import batch_first, label
+from memcalc.probe.recorder import batch_first, label, local
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank
 from memcalc.sizing.params import vocab_shard
 from memcalc.sizing.states import DISTRIBUTED_OPTIMIZER
@@ -225,12 +225,6 @@ class MainGrads:
         self.buffer.zero_()
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a tensor: a DTensor's local shard (transformers' TP plans make DTensor weights), or
-    the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _add_into_main_grad(param: nn.Parameter):
     """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped. A DTensor gradient is
     first laid out as its parameter (DTensor's embedding backward gives a vocabulary-parallel table a Replicate one)."""
@@ -277,8 +271,7 @@ class Fp32AdamW(torch.optim.Optimizer):
 
     def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
         super().__init__(params, {})
-        # a DTensor's own local tensor: to_local() of a Parameter is a view of it
-        shards = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        shards = [local(p) for p in params]
         with torch.no_grad():
             self.weights = torch.cat([x.reshape(-1) for x in shards])
             for x, piece in zip(shards, self.weights.split([x.numel() for x in shards])):
@@ -620,14 +613,14 @@ def stage_world(config: ModelConfig, strategy: Strategy, stage: str) -> tuple[di
     """The factors of the fake group's world a pipeline stage's step runs on, pp x t (t under a TP strategy, else 1),
     and the rank this process runs as: the stage's tp rank 0, as torchtitan's ParallelDims lays the ranks out (pp
     outermost)."""
-    t = config.t if strategy.tensor_parallel else 1
+    t = strategy.weight_shards(config.t)
     return {"pp": config.pp, "t": t}, stage_rank(stage, config.pp) * t
 
 
 def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:
     """The factors of the fake group's world a whole-model step runs rank 0 of (empty: one process alone): FSDP2's
     mesh dp_replicate*dp_shard*t, DeepSpeed's dp, or tp's t."""
-    tp = config.t if strategy.tensor_parallel else 1
+    tp = strategy.weight_shards(config.t)
     if config.zero_stage is not None:
         return {"dp": config.dp}
     if config.dp_shard:
