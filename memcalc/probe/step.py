@@ -241,47 +241,36 @@ def _add_into_main_grad(param: nn.Parameter):
     return hook
 
 
-class MixedPrecisionAdamW(torch.optim.Optimizer):
-    """AdamW on fp32 master weights for bf16 parameters, as Megatron's Float16Optimizer keeps them: one flat buffer,
-    each parameter's state its view (`main_param`, an optimizer state), its `.grad` the gradient buffer."""
+class FlatAdamW(torch.optim.Optimizer):
+    """One fused AdamW over one flat fp32 buffer of the weights, its `.grad` the gradient buffer, as Megatron's
+    optimizers step them. With `master` (bf16 or fp16 parameters, Float16Optimizer) the buffer holds fp32 master
+    weights, each parameter's state its view (`main_param`, an optimizer state), copied back into the parameter after
+    each step. Without (fp32, FP32Optimizer: no master copy, its prepare_grads makes each parameter's main_grad its
+    `.grad`) each parameter (a DTensor's local shard) is moved onto its view, its own storage freed, and the step
+    updates it in place."""
 
-    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
+    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, master: bool, lr: float = 1e-4) -> None:
         super().__init__(params, {})
+        self.master = master
         shards = [local(p) for p in params]
         with torch.no_grad():
-            self.main_params = torch.cat([x.detach().float().reshape(-1) for x in shards])
-        self.main_params.grad = main_grads.buffer
-        for p, x, piece in zip(params, shards, self.main_params.split([x.numel() for x in shards])):
-            self.state[p]["main_param"] = piece.view_as(x)
-        self.adamw = torch.optim.AdamW([self.main_params], lr=lr, fused=True)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.adamw.step()
-        for group in self.param_groups:
-            for p in group["params"]:
-                local(p).copy_(self.state[p]["main_param"])
-
-
-class Fp32AdamW(torch.optim.Optimizer):
-    """AdamW on fp32 parameters themselves, as Megatron's FP32Optimizer steps them: no master copy (its prepare_grads
-    makes each parameter's main_grad its `.grad`). As `MixedPrecisionAdamW`'s master weights, the weights are one
-    flat buffer, each parameter (a DTensor's local shard) moved onto its view, so that one fused AdamW runs over it,
-    its `.grad` the gradient buffer, and updates the parameters in place."""
-
-    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
-        super().__init__(params, {})
-        shards = [local(p) for p in params]
-        with torch.no_grad():
-            self.weights = torch.cat([x.reshape(-1) for x in shards])
-            for x, piece in zip(shards, self.weights.split([x.numel() for x in shards])):
-                x.data = piece.view_as(x)  # the parameter's own storage is freed
+            self.weights = torch.cat([x.detach().float().reshape(-1) for x in shards])
+            for p, x, piece in zip(params, shards, self.weights.split([x.numel() for x in shards])):
+                if master:
+                    self.state[p]["main_param"] = piece.view_as(x)
+                else:
+                    x.data = piece.view_as(x)
         self.weights.grad = main_grads.buffer
         self.adamw = torch.optim.AdamW([self.weights], lr=lr, fused=True)
 
     @torch.no_grad()
     def step(self, closure=None):
         self.adamw.step()
+        if not self.master:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                local(p).copy_(self.state[p]["main_param"])
 
 
 # -- one measured step ------------------------------------------------------------
@@ -325,7 +314,7 @@ class Trainer:
     config: ModelConfig
     model: nn.Module
     main_grads: MainGrads
-    optimizer: MixedPrecisionAdamW | Fp32AdamW
+    optimizer: FlatAdamW
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
@@ -342,7 +331,7 @@ class Trainer:
         moments exist from the first step on, so the next step is a steady one."""
         params = list(model.parameters())
         main_grads = MainGrads(params)
-        optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
+        optimizer = FlatAdamW(params, main_grads, master=config.dtype != "fp32")
         trainer = cls(config, model, main_grads, optimizer, loss, **fields)
         trainer.step()
         return trainer
@@ -408,8 +397,9 @@ class MomentTracker(MemTracker):
     last entered of those with no active submodule (MemTracker's own set of active modules does not say which:
     docs/probe.md, "One whole step")."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *tracked: Any) -> None:
+        """`tracked`: what the tracker it is mixed into takes (FSDPMemTracker's model and optimizer)."""
+        super().__init__(*tracked)
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
         # root modules called again in one step (a pipeline stage, once a micro-batch), which MemTracker would take
