@@ -37,7 +37,7 @@ class Footprint:
 def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) -> Footprint:
     """The least bytes a rank allocates for `strategy`: saved activations, weights and their gradients."""
     st = STRATEGIES[strategy]
-    t = config.t if st.tensor_parallel else 1
+    t = st.weight_shards(config.t)
     activations = estimate(config, st, Accounting(exact=True, device=device)).per_layer_bytes
     mlp = "moe" if config.moe else "dense"  # the one layer measure builds: a MoE layer when the config has experts
     weights = sum(prod(p.shape) for p in part(config, t, mlp)) * DTYPE_BYTES[config.dtype]

@@ -66,17 +66,12 @@ def run(
     if mode is Mode.SINGLE:
         if t != 1:
             raise ProbeError(f"mode single runs one rank, but t={t}; use spawn, fake or torchrun")
-        return [run_single(fn, args, device)]
+        return [fn(single(device), *args)]  # t = 1, in this process, without any process group
     world = torchrun_env()["WORLD_SIZE"] if under_torchrun() else t  # without torchrun: run_torchrun says so
     if world != t:
         raise ProbeError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks (under torchrun t = WORLD_SIZE)")
     result = run_torchrun(fn, args, timeout_s)
     return [result] if torchrun_env()["RANK"] == 0 else []
-
-
-def run_single(fn: RankFn, args: Sequence[Any] = (), device: str = "cpu") -> Any:
-    """fn on the t = 1 group, in this process, without any process group."""
-    return fn(single(device), *args)
 
 
 # -- fake: one process posing as one rank of t ---------------------------------

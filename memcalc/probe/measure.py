@@ -59,7 +59,6 @@ class RankResult:
 
     strategy: str
     rank: int
-    t: int
     group: str  # the group's mode: single, gloo, nccl or fake
     device: str  # cpu, cuda or meta: decides the width of norm statistics (ACCOUNTED_AS)
     saved: tuple[SavedStorage, ...]
@@ -100,7 +99,7 @@ def measure_layer(
         collectives = tuple(logged)
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
-    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
+    return RankResult(strategy.name, tp.rank, tp.mode, tp.device.type, saved, cuda, collectives)
 
 
 def runner(impl: str) -> ModuleType:
@@ -214,7 +213,6 @@ class Launch:
 
     mode: Mode
     t: int
-    device: str
     backend: str | None = None
 
 
@@ -248,7 +246,7 @@ def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto"
             raise ConfigError(f"t={t} spawned ranks need {t} GPUs, but torch sees {torch.cuda.device_count()}")
     elif backend is not None and mode is not Mode.TORCHRUN:
         raise ConfigError(f"--backend {backend} applies to spawned ranks, but this run is {mode.value}")
-    return Launch(mode, t, device, backend)
+    return Launch(mode, t, backend)
 
 
 def _check_device(device: str, backend: str | None) -> None:
@@ -373,7 +371,7 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
     if strategy.tensor_parallel:
         return choose_launch(config.t, device, backend, launch)
     _check_device(device, backend)
-    return Launch(Mode.SINGLE, 1, device)
+    return Launch(Mode.SINGLE, 1)
 
 
 def _compared(
@@ -415,7 +413,7 @@ def _compared_comm(
 ) -> tuple[CommRow, ...]:
     """The collectives one rank issued against the communication ledger's, in order. A collective over a group
     of one rank (t = 1, or ep = 1) sends nothing, and neither memcalc's mappings nor megatron's issue it."""
-    t = config.t if strategy.tensor_parallel else 1
+    t = strategy.weight_shards(config.t)
     methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
     predicted = tuple(c for c in layer_collectives(config, strategy, methods, t, overlap.num_splits, config.ep)
                       if c.group.size(t, config.ep) > 1)

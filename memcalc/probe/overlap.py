@@ -12,14 +12,13 @@ from enum import Enum
 from typing import Callable
 
 from memcalc.errors import ProbeError
+from memcalc.model.overlap import DEFAULT_SPLITS  # Transformer Engine's: more chunks cost more launches than they hide
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch.nn import functional as F  # noqa: E402
-
-DEFAULT_NUM_SPLITS = 4  # Transformer Engine's default; more chunks cost more launches than they hide
 
 
 class Method(str, Enum):
@@ -39,7 +38,7 @@ class Overlap:
     ring-rs and pipelined-rs do the same reduce-scatter, so they exclude each other."""
 
     methods: frozenset[Method] = field(default_factory=frozenset)
-    num_splits: int = DEFAULT_NUM_SPLITS
+    num_splits: int = DEFAULT_SPLITS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", frozenset(_method(m) for m in self.methods))
@@ -49,7 +48,7 @@ class Overlap:
             raise ProbeError(f"num_splits={self.num_splits}: the pipelined reduce-scatter needs at least one chunk")
 
     @classmethod
-    def of(cls, *names: str | Method, num_splits: int = DEFAULT_NUM_SPLITS) -> Overlap:
+    def of(cls, *names: str | Method, num_splits: int = DEFAULT_SPLITS) -> Overlap:
         """Overlap.of("ring-ag", "ring-rs"): the methods by name."""
         return cls(frozenset(names), num_splits)
 

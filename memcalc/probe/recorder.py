@@ -111,19 +111,20 @@ class SavedTensorRecorder:
 
     def _describe(self, key: int, tensor: torch.Tensor) -> SavedStorage:
         name, labelled = self._labels.get(key, (None, tensor))
-        storage = _local(tensor).untyped_storage()
-        shape = tuple(_local(labelled).shape)
+        storage = local(tensor).untyped_storage()
+        shape = tuple(local(labelled).shape)
         return SavedStorage(name, storage.nbytes(), shape, str(tensor.dtype).removeprefix("torch."))
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
     """The identity of the storage under `tensor`: its StorageImpl's address, not the data's (every meta or
     empty tensor has data_ptr() 0); unique while the storage lives, which the recorder ensures by holding it."""
-    return _local(tensor).untyped_storage()._cdata
+    return local(tensor).untyped_storage()._cdata
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, the storage this rank holds (DTensor TP plans save DTensors); else the tensor."""
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own local shard, the storage this rank holds (DTensor TP plans save DTensors, transformers' TP
+    plans make DTensor weights); else the tensor. Not to_local(), which gives a Parameter's shard as a view of it."""
     return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else tensor
 
 

@@ -29,7 +29,7 @@ from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
-from memcalc.probe.recorder import batch_first, label
+from memcalc.probe.recorder import batch_first, label, local
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank
 from memcalc.sizing.params import vocab_shard
 from memcalc.sizing.states import DISTRIBUTED_OPTIMIZER
@@ -225,12 +225,6 @@ class MainGrads:
         self.buffer.zero_()
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a tensor: a DTensor's local shard (transformers' TP plans make DTensor weights), or
-    the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _add_into_main_grad(param: nn.Parameter):
     """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped. A DTensor gradient is
     first laid out as its parameter (DTensor's embedding backward gives a vocabulary-parallel table a Replicate one)."""
@@ -247,48 +241,36 @@ def _add_into_main_grad(param: nn.Parameter):
     return hook
 
 
-class MixedPrecisionAdamW(torch.optim.Optimizer):
-    """AdamW on fp32 master weights for bf16 parameters, as Megatron's Float16Optimizer keeps them: one flat buffer,
-    each parameter's state its view (`main_param`, an optimizer state), its `.grad` the gradient buffer."""
+class FlatAdamW(torch.optim.Optimizer):
+    """One fused AdamW over one flat fp32 buffer of the weights, its `.grad` the gradient buffer, as Megatron's
+    optimizers step them. With `master` (bf16 or fp16 parameters, Float16Optimizer) the buffer holds fp32 master
+    weights, each parameter's state its view (`main_param`, an optimizer state), copied back into the parameter after
+    each step. Without (fp32, FP32Optimizer: no master copy, its prepare_grads makes each parameter's main_grad its
+    `.grad`) each parameter (a DTensor's local shard) is moved onto its view, its own storage freed, and the step
+    updates it in place."""
 
-    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
+    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, master: bool, lr: float = 1e-4) -> None:
         super().__init__(params, {})
+        self.master = master
         shards = [local(p) for p in params]
         with torch.no_grad():
-            self.main_params = torch.cat([x.detach().float().reshape(-1) for x in shards])
-        self.main_params.grad = main_grads.buffer
-        for p, x, piece in zip(params, shards, self.main_params.split([x.numel() for x in shards])):
-            self.state[p]["main_param"] = piece.view_as(x)
-        self.adamw = torch.optim.AdamW([self.main_params], lr=lr, fused=True)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.adamw.step()
-        for group in self.param_groups:
-            for p in group["params"]:
-                local(p).copy_(self.state[p]["main_param"])
-
-
-class Fp32AdamW(torch.optim.Optimizer):
-    """AdamW on fp32 parameters themselves, as Megatron's FP32Optimizer steps them: no master copy (its prepare_grads
-    makes each parameter's main_grad its `.grad`). As `MixedPrecisionAdamW`'s master weights, the weights are one
-    flat buffer, each parameter (a DTensor's local shard) moved onto its view, so that one fused AdamW runs over it,
-    its `.grad` the gradient buffer, and updates the parameters in place."""
-
-    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
-        super().__init__(params, {})
-        # a DTensor's own local tensor: to_local() of a Parameter is a view of it
-        shards = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
-        with torch.no_grad():
-            self.weights = torch.cat([x.reshape(-1) for x in shards])
-            for x, piece in zip(shards, self.weights.split([x.numel() for x in shards])):
-                x.data = piece.view_as(x)  # the parameter's own storage is freed
+            self.weights = torch.cat([x.detach().float().reshape(-1) for x in shards])
+            for p, x, piece in zip(params, shards, self.weights.split([x.numel() for x in shards])):
+                if master:
+                    self.state[p]["main_param"] = piece.view_as(x)
+                else:
+                    x.data = piece.view_as(x)
         self.weights.grad = main_grads.buffer
         self.adamw = torch.optim.AdamW([self.weights], lr=lr, fused=True)
 
     @torch.no_grad()
     def step(self, closure=None):
         self.adamw.step()
+        if not self.master:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                local(p).copy_(self.state[p]["main_param"])
 
 
 # -- one measured step ------------------------------------------------------------
@@ -332,7 +314,7 @@ class Trainer:
     config: ModelConfig
     model: nn.Module
     main_grads: MainGrads
-    optimizer: MixedPrecisionAdamW | Fp32AdamW
+    optimizer: FlatAdamW
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
@@ -349,7 +331,7 @@ class Trainer:
         moments exist from the first step on, so the next step is a steady one."""
         params = list(model.parameters())
         main_grads = MainGrads(params)
-        optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
+        optimizer = FlatAdamW(params, main_grads, master=config.dtype != "fp32")
         trainer = cls(config, model, main_grads, optimizer, loss, **fields)
         trainer.step()
         return trainer
@@ -415,8 +397,9 @@ class MomentTracker(MemTracker):
     last entered of those with no active submodule (MemTracker's own set of active modules does not say which:
     docs/probe.md, "One whole step")."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *tracked: Any) -> None:
+        """`tracked`: what the tracker it is mixed into takes (FSDPMemTracker's model and optimizer)."""
+        super().__init__(*tracked)
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
         # root modules called again in one step (a pipeline stage, once a micro-batch), which MemTracker would take
@@ -621,7 +604,7 @@ def stage_world(config: ModelConfig, strategy: Strategy, stage: str) -> tuple[di
     """The factors of the fake group's world a pipeline stage's step runs on, pp x t (t under a TP strategy, else 1)
     or under FSDP2 pp x dp_shard, and the rank this process runs as: the stage's first, as torchtitan's ParallelDims
     lays the ranks out (pp outermost)."""
-    t = config.t if strategy.tensor_parallel else 1
+    t = strategy.weight_shards(config.t)
     inner = {"dp_shard": config.dp_shard} if config.dp_shard is not None else {"t": t}
     return {"pp": config.pp} | inner, stage_rank(stage, config.pp) * math.prod(inner.values())
 
@@ -629,7 +612,7 @@ def stage_world(config: ModelConfig, strategy: Strategy, stage: str) -> tuple[di
 def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:
     """The factors of the fake group's world a whole-model step runs rank 0 of (empty: one process alone): FSDP2's
     mesh dp_replicate*dp_shard*t, DeepSpeed's dp, or tp's t."""
-    tp = config.t if strategy.tensor_parallel else 1
+    tp = strategy.weight_shards(config.t)
     if config.zero_stage is not None:
         return {"dp": config.dp}
     if config.dp_shard:

@@ -16,7 +16,6 @@ from memcalc.probe.launch import (  # noqa: E402
     Mode,
     run,
     run_fake,
-    run_single,
     run_spawned,
     run_torchrun,
     under_torchrun,
@@ -159,7 +158,7 @@ def test_fake_group_refuses_a_process_that_already_has_a_group():
 
 
 def test_single_runs_fn_on_t_1_without_a_process_group():
-    assert run_single(_whoami, ()) == (0, 1, "single", "cpu")
+    assert run(_whoami, (), mode="single") == [(0, 1, "single", "cpu")]
     assert not dist.is_initialized()
 
 

@@ -147,12 +147,12 @@ def test_the_same_bytes_in_another_shape_is_a_difference():
 @pytest.mark.parametrize(
     "t, backend, launch, expected",
     [
-        (1, None, "auto", Launch(Mode.SINGLE, 1, "cpu")),
+        (1, None, "auto", Launch(Mode.SINGLE, 1)),
         (1, "gloo", "auto", None),  # a backend with nothing to spawn is refused
-        (2, "gloo", "auto", Launch(Mode.SPAWN, 2, "cpu", "gloo")),
-        (8, None, "auto", Launch(Mode.FAKE, 8, "cpu")),
-        (2, None, "spawn", Launch(Mode.SPAWN, 2, "cpu", "gloo")),
-        (2, None, "fake", Launch(Mode.FAKE, 2, "cpu")),
+        (2, "gloo", "auto", Launch(Mode.SPAWN, 2, "gloo")),
+        (8, None, "auto", Launch(Mode.FAKE, 8)),
+        (2, None, "spawn", Launch(Mode.SPAWN, 2, "gloo")),
+        (2, None, "fake", Launch(Mode.FAKE, 2)),
     ],
 )
 def test_auto_launch_spawns_when_a_backend_is_named_and_fakes_otherwise(t, backend, launch, expected):

@@ -36,11 +36,8 @@ FSDP_CATEGORIES = {
 
 
 class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
-    """FSDPMemTracker that also notes where it first reached its peak (MomentTracker's bookkeeping)."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        FSDPMemTracker.__init__(self, model, optimizer)
-        self.entered, self.moment = [], ""
+    """FSDPMemTracker, built from the model and its optimizer, that also notes where it first reached its peak
+    (MomentTracker's bookkeeping)."""
 
     def __enter__(self) -> FsdpMomentTracker:
         """FSDPMemTracker registers no module hooks of its own: the moment's are registered here."""

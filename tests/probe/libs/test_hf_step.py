@@ -988,7 +988,7 @@ def test_under_gradient_checkpointing_sdpas_math_kernel_frees_what_no_local_hold
     _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, recompute="full", **changes), layout, route)
 
 
-# fp32 (no master weights: the trainer's Fp32AdamW steps the weights themselves): every cast a no-op, so each norm's
+# fp32 (no master weights: the trainer's FlatAdamW steps the weights themselves): every cast a no-op, so each norm's
 # fp32 input is the residual stream's tensor itself, its gradients added in place; the loss's log-softmax reads the
 # logits themselves; Mixtral's routing weights are the activation dtype's.
 FP32 = {"dtype": "fp32"}
