@@ -14,7 +14,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.params import NORM_NAMES
-from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa_math
+from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
@@ -113,7 +113,10 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
     kept_v = QKV if viewed else (rules.GPT2_MATH_V,) if z.act == 4 else (rules.MATH_V,)
-    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z, kept_v) if math else _sdpa(p, z)
+    # Llama's SDPA (memcalc.sizing.timeline.hf_layer: one K/V group a head) on q, k and v as views of c_attn's output
+    llama = () if eager else sdpa_math(p, z, False, f"{g}/c_proj input", "", kept_v) if math else \
+        sdpa(p, z, {}, f"{g}/c_proj input")
+    core = _eager(p, z, copies, config.has_dropout) if eager else tuple(replace(x, where="attn") for x in llama)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
@@ -186,25 +189,6 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
                 dweights, sc, "dWeights = dY V^T")), frees=(dy,)),
         ), saves=(weights, ledger.V)),
     )
-
-
-def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
-    """SDPA's flash kernel (CPU's, no dropout), one kernel each way, on q, k and v as views of c_attn's output: it
-    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp, which
-    F.scaled_dot_product_attention does not return."""
-    g, q = f"grad/{p}", z.full(z.h)
-    return (Op("attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
-        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=kept_names(p, ledger.SOFTMAX_LSE)),), (
-        Step("the SDPA kernel's backward: dQ, dK, dV", (
-            Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
-            frees=(f"{g}/c_proj input",)),),
-        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
-
-
-def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, ...]:
-    """SDPA with dropout on a CPU: torch's math kernel as Llama's walk describes it (memcalc.sizing.timeline.hf_layer
-    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output, of which bmm keeps `kept_v`."""
-    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout", tp: bool = False) -> tuple[Op, ...]:

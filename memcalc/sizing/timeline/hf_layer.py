@@ -381,7 +381,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     core = oss.eager_core(p, z, saved, gqa, dropout) if sinks else \
         eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
-        if math else _sdpa(p, z, saved)
+        if math else sdpa(p, z, saved, f"{g}/o_proj input")
     copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.weight("self_attn.o_proj"),
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (),
@@ -625,10 +625,12 @@ def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
                  for what, old, new in zip(("(.) * softcap", "tanh", "(.) / softcap"), names, (*names[1:], names[0])))
 
 
-def _sdpa(p: str, z: Sizes, saved: dict[str, int]) -> tuple[Op, ...]:
-    """SDPA's flash kernel, one kernel each way; with dropout on CUDA too, which regenerates its mask in backward from
-    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured).
-    GLM's output, laid out as its (b, a, s, d) query, is copied (b, s, a, d) for o_proj (the ledger's GLM_SDPA_OUT)."""
+def sdpa(p: str, z: Sizes, saved: dict[str, int], dy: str) -> tuple[Op, ...]:
+    """SDPA's flash kernel, one kernel each way (`dy` its output's gradient); with dropout on CUDA too, which
+    regenerates its mask in backward from the RNG state mha_fwd allocates with or without dropout (torch's
+    flash_api.cpp: read from code, not measured). GLM's output, laid out as its (b, a, s, d) query, is copied
+    (b, s, a, d) for o_proj (the ledger's GLM_SDPA_OUT). It keeps q, k and v, its output and the log-sum-exp, which
+    F.scaled_dot_product_attention does not return."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
     out = rules.GLM_SDPA_OUT if rules.GLM_SDPA_OUT.name in saved else ledger.PROJ_IN
     copied = (Step("the output made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), reads_last=(kept_name(p, out),)),) \
@@ -637,7 +639,7 @@ def _sdpa(p: str, z: Sizes, saved: dict[str, int]) -> tuple[Op, ...]:
         kept(p, out), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)), *copied), (
         Step("the SDPA kernel's backward: dQ, dK, dV", (
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
-        Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
+        Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(dy,)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, out)),)
 
 

@@ -304,16 +304,13 @@ def _shared_forward(p: str) -> tuple[Op, ...]:
     """Qwen2MoeMLP on every token, the block's first: down_proj(act_fn(gate_proj(x)) * up_proj(x)), each operand
     gone once read (its output kept by the gated product)."""
     s = "mlp.shared_expert"
-    return (
-        Op(f"{s}.gate_proj", (Step("the GEMM", (kept(p, ledger.SHARED_GATE),)),), ()),
-        Op(f"{s}.act_fn", (Step("SiLU", (kept(p, ledger.SHARED_SILU_OUT),),
-                                reads_last=kept_names(p, ledger.SHARED_GATE)),), ()),
-        Op(f"{s}.up_proj", (Step("the GEMM", (kept(p, ledger.SHARED_UP),)),), ()),
-        Op(s, (Step("act(gate) * up", (kept(p, ledger.SHARED_FC2_IN),),
-                    reads_last=kept_names(p, ledger.SHARED_SILU_OUT, ledger.SHARED_UP)),), ()),
-        Op(f"{s}.down_proj", (Step("the GEMM", (kept(p, rules.SHARED_OUT),),
-                                   reads_last=kept_names(p, ledger.SHARED_FC2_IN)),), ()),
-    )
+    ops = ((f"{s}.gate_proj", "the GEMM", ledger.SHARED_GATE, ()),  # (where, what, made, read last)
+           (f"{s}.act_fn", "SiLU", ledger.SHARED_SILU_OUT, (ledger.SHARED_GATE,)),
+           (f"{s}.up_proj", "the GEMM", ledger.SHARED_UP, ()),
+           (s, "act(gate) * up", ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, ledger.SHARED_UP)),
+           (f"{s}.down_proj", "the GEMM", rules.SHARED_OUT, (ledger.SHARED_FC2_IN,)))
+    return tuple(Op(where, (Step(what, (kept(p, x),), reads_last=kept_names(p, *read)),), ())
+                 for where, what, x, read in ops)
 
 
 def _shared_gated(p: str, z: Sizes, experts: str) -> tuple[Op, ...]:
