@@ -25,7 +25,7 @@ from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
-from memcalc.sizing.timeline.torchtitan_moe import moe_ops
+from memcalc.sizing.timeline.torchtitan_moe import moe_ops, permuted_stream_grad
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_bytes
 
@@ -406,11 +406,8 @@ def _reduce_scattered(name: str, z: Sizes, what: str, out: Made, frees: tuple[st
 
 def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
     """In backward, dY's shard all-gathered along s into the whole (`gathered`), then `frees` go. The shard is first
-    made contiguous (f"{g} dY"): a copy, but at b = 1, where the (b, s/t, h) view of the (s/t, b, h) shard is
-    contiguous already, on DTensor, whose shard is (b, s/t, h) itself, on CUDA, where the residual stream's
-    gradient is the fused norm's contiguous dX, summed into in place, and on a pipeline stage that sends its output,
-    where the stream's gradient is its receive buffer's layout (`Sizes.stage_sends`)."""
-    copy = () if z.b == 1 or z.dtensor or z.cuda or z.stage_sends else (
+    made contiguous (f"{g} dY") where the residual stream's gradient is a permuted view (`permuted_stream_grad`)."""
+    copy = () if not permuted_stream_grad(z) else (
         Step("dY made contiguous", (Made(f"{g} dY", z.seq(z.h), "this rank's shard"),)),)
     return (*copy, *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z,
                                 "concatenated along s: dY whole", (f"{g} dY", *frees)))

@@ -20,6 +20,16 @@ from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
+
+def permuted_stream_grad(z: Sizes) -> bool:
+    """Whether the residual stream's gradient is the (b, s/t, h) view of an (s/t, b, h) reduce-scatter output, not
+    contiguous, so that whatever needs it contiguous copies it (SP's all-gather of dY, the MoE's local_map at ep > 1).
+    It is contiguous at b = 1, where the view is; on DTensor, whose shard is (b, s/t, h) itself; on CUDA, where it is
+    the fused norm's contiguous dX, summed into in place; and on a pipeline stage that sends its output, where it is
+    its receive buffer's layout (`Sizes.stage_sends`)."""
+    return not (z.b == 1 or z.dtensor or z.cuda or z.stage_sends)
+
+
 @dataclass(frozen=True)
 class Slots:
     """What one rank's MoE works on: at ep = 1 every token (under TP each expert e/t wide); at ep = t its own s/t
@@ -314,8 +324,7 @@ def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[
                                                           rows, "bf16"),), frees=(f"{g}/dx fp32",)),
         ), saves=(rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
         # at ep > 1 routed_experts' local_map hands its body dY contiguous, before any node of it unpacks what it
-        # saved: the residual stream's gradient, the (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied
-        # but at b = 1 and on a pipeline stage that sends its output, where it is its receive buffer's layout
-        *(() if local or z.b == 1 or z.stage_sends else (Op("moe.routed_experts", forward=(), backward=(
+        # saved: the residual stream's gradient is copied where it is a permuted view (`permuted_stream_grad`)
+        *(() if local or not permuted_stream_grad(z) else (Op("moe.routed_experts", forward=(), backward=(
             Step("dY made contiguous at routed_experts' boundary", (Made(f"{g}/dY copy", full, "bf16"),)),)),)),
     )

@@ -21,7 +21,9 @@ from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+from ..step_readings import (  # noqa: E402
+    assert_moments_in_order, readings_after_every_op, readings_of_the_measured_step)
+from .test_torchtitan_qwen3_step import QWEN3  # noqa: E402
 
 CUDA = Accounting(exact=True, device="cuda")
 
@@ -103,6 +105,31 @@ def test_as_cuda_runs_it_with_experts_memtracker_reaches_the_peak_to_the_byte(on
     """Its Qwen3 MoE layers (the router forced balanced): the same fused norms, RoPE and flex around the MoE."""
     (r,) = measure_step(make_config(LLAMA3, **(MOE | changes)), ["none"], route="balanced", device="cuda")
     assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# Under tp-sp at t = 2, the peak in the MoE (a vocabulary of 16): experts at ep = t and at ep = 1, b = 1 and 2, s/t odd,
+# after its Llama3 attention and its Qwen3 one (q_norm, k_norm)
+OVER_TP = [
+    ({"ep": 2, "b": 2, "s": 10}, "balanced"),
+    ({"ep": 2, "b": 1, "s": 14}, "balanced"),
+    ({"ep": 2, "b": 2, "s": 6, "moe_tokens": "worst", "moe_shared_expert_intermediate_size": 48}, "all-to-one"),
+    ({"b": 2, "s": 10, "moe_ffn_hidden_size": 32}, "balanced"),  # each expert split in width: 16 a rank
+]
+
+
+@pytest.mark.parametrize("attention", [{}, QWEN3], ids=["llama3", "qwen3"])
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+@pytest.mark.parametrize("changes, route", OVER_TP, ids=str)
+def test_as_cuda_runs_it_with_experts_over_tp_sp_every_moment_happens_and_the_peak_to_the_byte(
+        one_thread, attention, recompute, changes, route):
+    """At ep = 2 routed_experts' local_map copies no dY: the residual stream's gradient is the fused norms' contiguous
+    dX (on a CPU, the (s/t, b, h) reduce-scatter output seen as (b, s/t, h), copied at b > 1)."""
+    config = make_config(LLAMA3, **(MOE | attention | changes), t=2, vocab_size=16, recompute=recompute)
+    with readings_of_the_measured_step() as readings:
+        (r,) = measure_step(config, ["tp-sp"], route=route, device="cuda")
+    assert_moments_in_order(timeline(config, STRATEGIES["tp-sp"], CUDA).moments[1:-1], readings)
+    assert r.measured.moment == r.predicted_moment and ".moe.routed_experts" in r.measured.moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
