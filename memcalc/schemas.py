@@ -137,7 +137,7 @@ PER_GPU: Schema = _object({
         "worst_stage": TEXT,  # the stage that needs the most
         "needed_bytes": COUNT,  # the step's peak where modelled, else states + saved activations
         "needed_basis": {"enum": [PEAK, SAVED]},
-        "fits": FLAG,
+        "fits": _nullable(FLAG),  # null: states + saved activations fit, the step's peak is not modelled
         "headroom_bytes": INT,  # negative when it does not fit
         "stages": _array(STAGE, minItems=1),
     })),

@@ -175,7 +175,7 @@ def _verdict_json(needed: Need, budget: int) -> dict:
     """What the strategy needs, on what basis (the peak, or states + saved activations), and the verdict."""
     return {
         "worst_stage": needed.stage, "needed_bytes": needed.bytes, "needed_basis": needed.basis,
-        "fits": needed.bytes <= budget, "headroom_bytes": budget - needed.bytes,
+        "fits": needed.fits(budget), "headroom_bytes": budget - needed.bytes,
     }
 
 

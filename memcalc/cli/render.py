@@ -245,6 +245,10 @@ def describe_layout(config: ModelConfig) -> str:
     )
 
 
+# A verdict in words: "maybe" where states + saved activations fit and the step's peak, above them, is not modelled.
+_VERDICT = {True: "yes", False: "no", None: "maybe"}
+
+
 def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
@@ -260,7 +264,7 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
     for p in per:
         needed = need(p, peaks.get(p.strategy.name))
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
-        console.print(f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
+        console.print(f"  {p.strategy.name}: {_VERDICT[needed.fits(budget)]}, {needed.bytes:,} B ="
                       f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
                       f" {'left' if needed.bytes <= budget else 'over'}")
     from memcalc.sizing.states import sharding

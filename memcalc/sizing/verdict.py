@@ -30,6 +30,13 @@ class Need:
     basis: str
     stage: str
 
+    def fits(self, budget: int) -> bool | None:
+        """Whether these bytes fit `budget`: None (unknown) where only states + saved activations are known and they
+        fit, for the step's peak lies above them by what the walk would have added."""
+        if self.bytes > budget:
+            return False
+        return True if self.basis == PEAK else None
+
 
 def step_peaks(config: ModelConfig, strategy: Strategy, device: str = "cuda") -> tuple[Timeline, ...] | str:
     """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
