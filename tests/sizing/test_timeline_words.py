@@ -73,3 +73,28 @@ def test_estimate_totals_says_the_peaks_moment_in_words_in_text_and_json(tmp_pat
     assert text.code == 0 and doc.code == 0, text.err + doc.err
     (stage,) = json.loads(doc.out)["per_gpu"]["strategies"]["none"]["stages"]
     assert f"none: at the peak, {stage['peak_in_words']}" in " ".join(text.out.split())
+
+
+def test_a_pipeline_stage_under_fsdp2_says_its_layers_in_a_row_as_one_range():
+    """Under torchtitan's pipeline FSDP2 keeps every unit of a stage gathered all step, and the loss's backward holds
+    each layer's accumulated gradients: each phrase says the stage's layers once, as a range lowest first, and the
+    units that are no layer (norm+lm_head) by name."""
+    from memcalc.model.knobs import Accounting
+
+    config = build_config({"impl": "torchtitan"} | {
+        k: LLAMA[k] for k in ("b", "s", "h", "a", "vocab_size", "ffn_hidden_size", "num_query_groups")} | {
+        "L": 8, "pp": 2, "dp_shard": 2, "position_embedding_type": "rope", "add_bias_linear": False,
+        "tie_embeddings": False})
+    walk = timeline(config, STRATEGIES["none"], Accounting(device="cpu"), stage="last")
+    words = in_words(walk.peak)
+    assert "layers 4 to 7's gathered parameters" in words and "layer 5's" not in words
+    assert "norm+lm_head's gathered parameters" in words
+
+
+def test_two_layers_in_a_row_are_said_one_by_one():
+    from memcalc.sizing.timeline.words import _whose
+
+    assert _whose(["layers.3", "layers.4"], None) == ["layer 3's", "layer 4's"]
+    assert _whose(["layers.2", "layers.3", "layers.4", "layers.6"], "layers.6") == ["layers 2 to 4's", "its"]
+    assert _whose(["layers.5", "layers.4", "layers.3", "norm+lm_head", "layers.1"], None) == [
+        "layers 3 to 5's", "norm+lm_head's", "layer 1's"]

@@ -47,17 +47,49 @@ def in_words(moment: Moment) -> str:
     """The moment as a sentence: its phase and block, what the op does, and the sharding's buffers live then."""
     block = _block(moment.where)
     head = moment.phase + (f" of {block_words(block)}" if block else "")
-    said: dict[str, int] = {}  # each phrase once, with its place in PHRASES
+    owners: dict[int, list[str | None]] = {}  # by its place in PHRASES, the blocks a phrase is said of, as met
     for x in moment.live:
-        for i, (pattern, phrase) in enumerate(PHRASES):
+        for i, (pattern, _) in enumerate(PHRASES):
             found = re.fullmatch(pattern, x.name)
             if found:
+                said_of = owners.setdefault(i, [])
                 owner = found.groupdict().get("block")
-                of = "" if owner is None else "its" if owner == block else f"{block_words(owner)}'s"
-                said.setdefault(phrase.format(of=of), i)
+                if owner not in said_of:
+                    said_of.append(owner)
                 break
-    buffers = f": {_listed(sorted(said, key=said.__getitem__))}" if said else ""
+    said = [PHRASES[i][1].format(of=of) for i in sorted(owners) for of in _whose(owners[i], block)]
+    buffers = f": {_listed(said)}" if said else ""
     return f"{head} ({moment.what}){buffers}"
+
+
+def _whose(owners: list[str | None], block: str | None) -> list[str]:
+    """Whose a phrase is said of, in order: "" (no block), "its" (the moment's), "the root's", "layer 3's", and three
+    or more layers in a row as one "layers 24 to 47's" (a pipeline stage under FSDP2 holds all its layers' weights)."""
+    words: list[str] = []
+    run: list[int] = []
+    for owner in owners:
+        n = int(owner.removeprefix("layers.")) if owner and owner != block and owner.startswith("layers.") else None
+        if n is not None and _continues(run, n):
+            run.append(n)
+            continue
+        words += _of_layers(run)
+        run = [n] if n is not None else []
+        if n is None:
+            words.append("" if owner is None else "its" if owner == block else f"{block_words(owner)}'s")
+    return words + _of_layers(run)
+
+
+def _continues(run: list[int], n: int) -> bool:
+    """Whether layer `n` goes on `run`, layers in a row one way (24, 25, 26 or 47, 46, 45)."""
+    if not run:
+        return False
+    step = n - run[-1]
+    return step in (1, -1) if len(run) == 1 else step == run[-1] - run[-2]
+
+
+def _of_layers(run: list[int]) -> list[str]:
+    """A run of layers as owners: three or more as one range, lowest first, fewer one by one."""
+    return [f"layers {min(run)} to {max(run)}'s"] if len(run) >= 3 else [f"layer {x}'s" for x in run]
 
 
 def _listed(items: list[str]) -> str:
