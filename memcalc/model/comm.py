@@ -167,6 +167,9 @@ def layer_collectives(
                           " there, whose collectives are not measured (tp-sp, ep = t is)")
     if knobs.mla and overlap:
         raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: tp_comm_overlap with latent attention is not modelled")
+    if knobs.mla and impl.name == "torchtitan":  # its down projections are replicated: no megatron-core module's
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: the collectives of torchtitan's latent attention are not"
+                          " modelled yet (its saved tensors are)")
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])

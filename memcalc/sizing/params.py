@@ -328,14 +328,31 @@ GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}  # GroupedExp
 def torchtitan_layer_params(c: ModelConfig, t: int, m: str, moe: bool) -> tuple[Param, ...]:
     """A TransformerBlock's parameters in registration order: wqkv and wo (with qk_layernorm Qwen3's q_norm and
     k_norm, one head's d channels each), the feed-forward's w1, w2, w3 (or the MoE's), the two norms; no biases
-    (Llama3 has none: impl torchtitan refuses them)."""
+    (Llama3 has none: impl torchtitan refuses them). DeepSeek-V3's block registers its latent attention
+    (`_torchtitan_latent`), then its norms, then its feed-forward."""
     qkv, o, f = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t
     mlp = _torchtitan_moe(c, t, f"{m}.moe") if moe else (
         Param(f"{m}.feed_forward.w1", (f, c.h), FC1), Param(f"{m}.feed_forward.w2", (c.h, f), FC2),
         Param(f"{m}.feed_forward.w3", (f, c.h), FC1))
     attention = (Param(f"{m}.attention.qkv_linear.wqkv", (qkv, c.h), QKV), Param(f"{m}.attention.wo", (c.h, o), PROJ),
                  *_head_norms(c, f"{m}.attention.q_norm", f"{m}.attention.k_norm"))
-    return (*attention, *mlp, *_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
+    norms = (*_norm(c, f"{m}.attention_norm"), *_norm(c, f"{m}.ffn_norm"))
+    if c.mla:
+        return (*_torchtitan_latent(c, t, f"{m}.attention"), *norms, *mlp)
+    return (*attention, *mlp, *norms)
+
+
+def _torchtitan_latent(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+    """DeepSeek-V3's Attention in registration order: wq, or wq_a, q_norm and wq_b; wkv_a, kv_norm, wkv_b, wo. Under
+    its plan (set_deepseek_v3_sharding_config) the down projections and the latents' norms are replicated (whole),
+    wq, wq_b and wkv_b split on dim 0, wo on dim 1."""
+    r_q, r_kv, query_heads = c.q_lora_rank, c.kv_lora_rank, c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim) // t
+    query = (Param(f"{m}.wq", (query_heads, c.h), QKV),) if r_q is None else (
+        Param(f"{m}.wq_a", (r_q, c.h), QKV), *_norm(c, f"{m}.q_norm", (r_q,), QKV),
+        Param(f"{m}.wq_b", (query_heads, r_q), QKV))
+    return (*query, Param(f"{m}.wkv_a", (r_kv + c.qk_rope_head_dim, c.h), QKV), *_norm(c, f"{m}.kv_norm", (r_kv,), QKV),
+            Param(f"{m}.wkv_b", (c.a * (c.qk_nope_head_dim + c.v_head_dim) // t, r_kv), QKV),
+            Param(f"{m}.wo", (c.h, c.a * c.v_head_dim // t), PROJ))
 
 
 def _torchtitan_moe(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:

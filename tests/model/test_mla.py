@@ -96,6 +96,14 @@ def test_comm_refuses_overlap_with_latent_attention_naming_kv_lora_rank():
         layer_collectives(_knobs(MLA), STRATEGIES["tp-sp"], frozenset({"ring-ag"}), t=2)
 
 
+def test_comm_refuses_torchtitans_latent_attention_whose_collectives_are_not_modelled():
+    from memcalc.model.comm import layer_collectives
+
+    knobs = _knobs(MLA | {"impl": "torchtitan", "recompute": "none", "mlp": "swiglu", "attention": "flash"})
+    with pytest.raises(ConfigError, match="^kv_lora_rank=24: the collectives of torchtitan's latent attention"):
+        layer_collectives(knobs, STRATEGIES["tp-sp"], t=2)
+
+
 def test_without_a_query_latent_the_query_keeps_no_norm_and_no_up_projection_input():
     names = set(_shapes(MLA | {"q_lora_rank": None}, "none"))
     assert not {n for n in names if n.startswith("mla/q_")}
@@ -120,9 +128,13 @@ def test_hf_sdpa_with_latent_attention_is_refused_in_one_line():
         build_config(MLA | {"impl": "hf", "family": "deepseek_v2", "attention": "flash"})
 
 
-def test_torchtitan_refuses_latent_attention():
-    with pytest.raises(ConfigError, match="^impl torchtitan: its DeepSeek-V3 latent attention"):
-        build_config(MLA | {"impl": "torchtitan"})
+def test_torchtitan_keeps_the_latent_attentions_q_k_and_wkv_bs_output_but_refuses_it_in_fp32():
+    """Its DeepSeek-V3 block (measured in tests/probe/libs/test_torchtitan.py) at the none layout on a CPU."""
+    result = estimate(build_config(MLA | {"impl": "torchtitan", "recompute": "none"}), STRATEGIES["none"],
+                      Accounting(exact=True, device="cpu"))
+    assert {"mla/q", "mla/k", "mla/kv_up_out", "mla/proj_in"} <= {x.tensor.name for x in result.tensors}
+    with pytest.raises(ConfigError, match="^impl torchtitan with kv_lora_rank .*: dtype fp32: measured in bf16 only"):
+        build_config(MLA | {"impl": "torchtitan", "dtype": "fp32"})
 
 
 def test_formula_writes_the_latent_terms_in_their_own_symbols():

@@ -90,6 +90,10 @@ _TORCHTITAN_QWEN3 = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op"
 _TORCHTITAN_QWEN3_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)),
                                recompute=st.sampled_from(("none", "op", "full")),
                                kv_channels=st.sampled_from((None, 4, 10)))
+# torchtitan's DeepSeek-V3 block: bf16 (fp32 is refused), with or without a query latent; values as wide as the
+# heads (d_v = d_n + d_r: the CPU stand-in's flash kernel)
+_TORCHTITAN_MLA = _knobs(q_lora_rank=st.sampled_from((None, 8)), recompute=st.sampled_from(("none", "op", "full")))
+TORCHTITAN_MLA = MLA | {"v_head_dim": 10}
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                    recompute=st.sampled_from(("none", "full")))
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
@@ -128,6 +132,8 @@ SUBJECTS = (
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
     Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "num_experts": 4},
             _TORCHTITAN_MOE, moe=True, align=8),
+    Subject("torchtitan latent attention", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN_MLA, gqa=False,
+            extra=TORCHTITAN_MLA),
     Subject("torchtitan qwen3", "torchtitan", {"impl": "torchtitan", "qk_layernorm": True}, _TORCHTITAN_QWEN3),
     Subject("torchtitan qwen3 moe", "torchtitan", {"impl": "torchtitan", "qk_layernorm": True, "num_experts": 4},
             _TORCHTITAN_QWEN3_MOE, moe=True, align=8),

@@ -1,5 +1,5 @@
-"""torchtitan: what its Llama3 TransformerBlock (with qk_layernorm its Qwen3's) keeps for backward, under its own TP
-plan.
+"""torchtitan: what its Llama3 TransformerBlock (with qk_layernorm its Qwen3's, with kv_lora_rank its DeepSeek-V3's)
+keeps for backward, under its own TP plan.
 
 Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
 RoPE's table, gathered on CUDA), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
@@ -16,7 +16,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor, in_pair, small_moe
-from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
+from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan
 
 _SEQ = Region.SEQUENCE
 _FUSED = "aten::_fused_rms_norm (CUDA kernel; read from torch's derivatives.yaml)"
@@ -93,6 +93,8 @@ ROPE_COS = SavedTensor(
 )
 ROPE_SIN = replace(ROPE_COS, name="attention/rope_sin", saved_by="CosSinRoPE (Qwen3) given the trainer's positions:"
                    " the sin half of its gathered table, kept by rotate_half(query.float()) * sin and the key's")
+WO_OUT = replace(FC2_OUT, name="attention/wo_out", saved_by="SelectiveAC: MUST_SAVE of the wo matmul (DeepSeek-V3's"
+                 " fifth, with a query latent), before its reduce-scatter (or all-reduce)")
 SHARED_FC2_OUT = replace(
     FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
     why="op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
@@ -101,6 +103,43 @@ MOE_TOPK_VALUES = small_moe(
     "topk_values_fp32", "SelectiveAC: MUST_SAVE of the router's torch.topk (on its list, beside the ids)",
     (Dim.B, Dim.S, Dim.K), Kind.FP32, "op-level checkpointing keeps top-k's outputs so that the recompute routes each"
     " token as forward did; the values are unused, the scores are gathered from the softmax")
+
+
+# -- DeepSeek-V3's Attention (multi-head latent attention; torchtitan/models/deepseek_v3/model.py) -----------------
+# set_deepseek_v3_sharding_config gathers x at the attention's entry, which wq (or wq_a) and wkv_a both keep; the
+# down projections wq_a and wkv_a and the latents' norms have replicated weights, so every rank makes the latents
+# whole; wq, wq_b and wkv_b are colwise (heads split), wo rowwise. V is a d_v-wide split of wkv_b's output, never
+# copied: the attention core keeps that whole output in V's place.
+_LATENT = Region.REPLICATED
+MLA_IN = replace(QKV_IN, name="mla/qkv_in", saved_by="Attention's wq (or wq_a) and wkv_a (replicated): one input,"
+                 " gathered at its entry", why=_WHY_GATHERED + "; both down projections read it")
+MLA_Q_NORM = _rmsnorm("mla/q_norm_", "wq_b, on wq_a's query latent", width=Dim.QR, region=_LATENT)
+_KV_NORM = _rmsnorm("mla/kv_norm_", "wkv_b, on the latent split from wkv_a's output", width=Dim.KVR, region=_LATENT)
+MLA_KV_DOWN_VIEW = replace(
+    _KV_NORM.input, shape=(Dim.B, Dim.S, Dim.KVD),
+    saved_by=f"{_KV_NORM.input.saved_by}, on torch.split(wkv_a's output)[0]: a view of the whole output",
+    why="the fused norm's backward reads its input as passed, a view that keeps wkv_a's whole output (the latent and"
+    " the keys' RoPE part) alive",
+)
+MLA_KV_NORM = replace(_KV_NORM, input=MLA_KV_DOWN_VIEW)
+MLA_Q_UP_IN = replace(ledger.MLA_Q_UP_IN, saved_by="wq_b (colwise), on q_norm's output", region=_LATENT)
+MLA_KV_UP_IN = replace(ledger.MLA_KV_UP_IN, saved_by="wkv_b (colwise), on kv_norm's output", region=_LATENT)
+MLA_ROPE_CACHE = replace(
+    ROPE_CACHE, name="mla/rope_cache", shape=(Dim.B, Dim.S, Dim.DR),
+    saved_by="ComplexRoPE on q_pe and k_pe given the trainer's positions (CUDA's flex path): its complex64 table"
+    " gathered at them, (b, s, d_r/2), counted as fp32 pairs",
+)
+_WHY_OP = "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it"
+MLA_WQ_OUT = in_pair("mla/wq_out", "SelectiveAC: MUST_SAVE of wq's matmul (the first of the block)",
+                     (Dim.B, Dim.S, Dim.A, Dim.QK), _WHY_OP)
+MLA_WQ_A_OUT = SavedTensor("mla/wq_a_out", "SelectiveAC: MUST_SAVE of wq_a's matmul (the first of the block), the"
+                           " query latent", (Dim.B, Dim.S, Dim.QR), Kind.ACTIVATION, _LATENT, _WHY_OP)
+MLA_WKV_A_OUT = replace(MLA_WQ_A_OUT, name="mla/wkv_a_out", shape=(Dim.B, Dim.S, Dim.KVD),
+                        saved_by="SelectiveAC: MUST_SAVE of wkv_a's matmul (the third, with a query latent)")
+MLA_WKV_B_OUT = replace(MLA_WQ_OUT, name="mla/wkv_b_out", shape=(Dim.B, Dim.S, Dim.A, Dim.NV),
+                        saved_by="SelectiveAC: MUST_SAVE of wkv_b's matmul (the third, without a query latent)")
+MLA_TENSORS = (MLA_IN, *MLA_Q_NORM, *MLA_KV_NORM, MLA_Q_UP_IN, MLA_KV_UP_IN, MLA_ROPE_CACHE, MLA_WQ_OUT,
+               MLA_WQ_A_OUT, MLA_WKV_A_OUT, MLA_WKV_B_OUT)
 
 
 def tp_plan(knobs: Any) -> TPPlan:
@@ -116,9 +155,22 @@ def tp_plan(knobs: Any) -> TPPlan:
     ffn = (Rule("moe", keeps, MOE, MOE_GATHERED), Rule("moe.experts", Style.ROWWISE, MOE), *shared) if knobs.moe else (
         Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
         Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
-    return TPPlan((Rule("attention_norm", Style.SEQUENCE),
-                   *pair(ATTENTION, ("attention.qkv_linear.wqkv",), "attention.wo", keeps, (QKV_IN.name,)),
-                   Rule("ffn_norm", Style.SEQUENCE), *ffn))
+    return TPPlan((Rule("attention_norm", Style.SEQUENCE), *_attention_pair(knobs), Rule("ffn_norm", Style.SEQUENCE),
+                   *ffn))
+
+
+def _attention_pair(knobs: Any) -> tuple[Rule, ...]:
+    """Llama3's wqkv and wo; DeepSeek-V3's (set_deepseek_v3_sharding_config) wq (or, with a query latent, wq_b) and
+    wkv_b colwise, wo rowwise, the first keeping the input gathered at the attention's entry (`MLA_IN`); its down
+    projections and their norms are replicated, no rule of the plan's. SelectiveAC saves DeepSeek-V3's wo's output
+    (with a query latent, its fifth matmul) before its reduce-scatter: the whole sequence's."""
+    keeps = Style.COLWISE_KEEPS_INPUT
+    if not knobs.mla:
+        return (Rule("attention.qkv_linear.wqkv", keeps, ATTENTION, (QKV_IN.name,)),
+                Rule("attention.wo", Style.ROWWISE, ATTENTION))
+    query = "attention.wq_b" if knobs.q_lora_rank is not None else "attention.wq"
+    return (Rule(query, keeps, ATTENTION, (MLA_IN.name,)), Rule("attention.wkv_b", keeps, ATTENTION),
+            Rule("attention.wo", Style.ROWWISE, ATTENTION, (WO_OUT.name,)))
 
 # -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
 # TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
@@ -200,17 +252,48 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     return (QKV_IN, *norms, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
 
 
+def latent_attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """DeepSeek-V3's Attention: the gathered x, (with a query latent: q_norm's and wq_b's input,) kv_norm's and wkv_b's
+    input, (on CUDA RoPE's gathered table,) Q and K (torch.cat's copies, RoPE on their d_r parts), wkv_b's whole
+    output in V's place (the comment above `MLA_IN`), the kernel's log-sum-exp, its output (wo's input). Only the
+    table is kept of RoPE: its products upcast q_pe and k_pe (.float()), and the table needs no gradient. CPU's
+    composite kv_norm keeps its fp32 copy of the latent, CUDA's fused one the latent as passed, a view of wkv_a's
+    output."""
+    query = (*norm_block(MLA_Q_NORM, accounting), MLA_Q_UP_IN) if knobs.q_lora_rank is not None else ()
+    rope = (MLA_ROPE_CACHE,) if accounting.device == "cuda" else ()
+    return (MLA_IN, *query, *norm_block(MLA_KV_NORM, accounting), MLA_KV_UP_IN, *rope, ledger.MLA_Q, ledger.MLA_K,
+            ledger.MLA_KV_UP_OUT, ledger.SOFTMAX_LSE, ledger.MLA_PROJ_IN)
+
+
 def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
-    """SelectiveAC's saved op outputs, and the block's input: wqkv's matmul (the first), the attention kernel's,
-    then a FeedForward's w1 and w2 (the third and fifth matmuls; wo's and w3's, the even ones, are recomputed). In a
-    MoE layer (`moe`, default knobs.moe) the router's topk; the gate's mm is forced to recompute (its
-    force_recompute_mm_shapes_by_fqns) and torch._grouped_mm is not on the list, so the only matmuls counted are the
-    shared experts' FeedForward's."""
-    kernel = (ledger.SOFTMAX_LSE, ledger.PROJ_IN)
-    if not (knobs.moe if moe is None else moe):
-        return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
-    shared = (ledger.SHARED_GATE, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
-    return (ledger.LAYER_INPUT, QKV_OUT, *kernel, MOE_TOPK_VALUES, ledger.ROUTER_TOPK_INDICES, *shared)
+    """SelectiveAC's saved op outputs, and the block's input: the output of every other matmul, the first, third, ...
+    of the block's in forward order (`_matmuls`; the others are recomputed), the attention kernel's, and in a MoE
+    layer (`moe`, default knobs.moe) the router's topk. Llama3's block saves wqkv's, w1's and w2's outputs and
+    recomputes wo and w3; DeepSeek-V3's latent attention has four or five matmuls, which shifts the feed-forward's."""
+    moe = knobs.moe if moe is None else moe
+    before, after, ffn = _matmuls(knobs, moe)
+    saved = (*before, *after, *ffn)[::2]
+    kernel = (ledger.SOFTMAX_LSE, ledger.MLA_PROJ_IN if knobs.mla else ledger.PROJ_IN)
+    router = (MOE_TOPK_VALUES, ledger.ROUTER_TOPK_INDICES) if moe else ()
+    return (ledger.LAYER_INPUT, *_among(before, saved), *kernel, *_among(after, saved), *router, *_among(ffn, saved))
+
+
+def _among(outputs: tuple[SavedTensor | None, ...], saved: tuple[SavedTensor | None, ...]) -> tuple[SavedTensor, ...]:
+    """The matmul outputs of `outputs` that SelectiveAC saves (`saved`), in order."""
+    return tuple(x for x in outputs if x is not None and x in saved)
+
+
+def _matmuls(knobs: Any, moe: bool) -> tuple[tuple[SavedTensor | None, ...], ...]:
+    """The block's matmuls' outputs in forward order, those before the attention kernel, those after it, the
+    feed-forward's: as SelectiveAC counts them, the MoE's router gate forced to recompute (its
+    force_recompute_mm_shapes_by_fqns) uncounted, torch._grouped_mm not on its list; so a MoE layer's are its shared
+    experts' alone. None for wq_b's, second whenever it runs, which no block saves."""
+    if knobs.mla and knobs.q_lora_rank is not None:
+        before: tuple[SavedTensor | None, ...] = (MLA_WQ_A_OUT, None, MLA_WKV_A_OUT, MLA_WKV_B_OUT)
+    else:
+        before = (MLA_WQ_OUT, MLA_WKV_A_OUT, MLA_WKV_B_OUT) if knobs.mla else (QKV_OUT,)
+    shared = (ledger.SHARED_GATE, ledger.SHARED_UP, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
+    return before, (WO_OUT,), shared if moe else (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, FC2_OUT)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -226,14 +309,15 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
 
 
 def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one block (Llama3's, or with experts Qwen3's MoE block) keeps for backward, in forward order
-    (unless fully recomputed)."""
+    """Every tensor one block (Llama3's, or with experts Qwen3's MoE block; with kv_lora_rank DeepSeek-V3's latent
+    attention in its attention's place) keeps for backward, in forward order (unless fully recomputed)."""
     if knobs.recompute == "op":
         return drop_small(op_checkpoint(knobs), accounting)
     # a FeedForward: the gathered w1/w3 input, SiLU's input, both factors of the product, w2's input
     mlp = moe_block(knobs) if knobs.moe else (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT,
                                               ledger.FC2_IN)
-    blocks = norm_block(LN1, accounting) + attention_block(knobs, accounting) + norm_block(LN2, accounting) + mlp
+    attention = latent_attention_block if knobs.mla else attention_block
+    blocks = norm_block(LN1, accounting) + attention(knobs, accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
 
 
@@ -259,12 +343,23 @@ def check(knobs: Any) -> None:
     if knobs.moe:
         check_moe(knobs)
     if knobs.mla:
-        raise ConfigError("impl torchtitan: its DeepSeek-V3 latent attention is not modelled yet; use impl megatron"
-                          " or hf for kv_lora_rank")
+        check_mla(knobs)
     if knobs.head_dim_set and not knobs.qk_layernorm:
         raise ConfigError(f"impl torchtitan: kv_channels {knobs.kv_channels} (heads not h/a wide) is its Qwen3 model's"
                           " head_dim, whose attention has q_norm and k_norm; set qk_layernorm (Qwen3), or leave"
                           " kv_channels unset (Llama3)")
+
+
+# Knob values of DeepSeek-V3's latent attention memcalc has not measured on torchtitan's block, each with the reason.
+_MLA_REFUSED = (("dtype", ("fp32",), "measured in bf16 only; use dtype bf16"),)
+
+
+def check_mla(knobs: Any) -> None:
+    """ConfigError for knob values of the latent attention (kv_lora_rank) that memcalc has not measured."""
+    for name, values, reason in _MLA_REFUSED:
+        if getattr(knobs, name) in values:
+            raise ConfigError(f"impl torchtitan with kv_lora_rank (DeepSeek-V3's latent attention): {name}"
+                              f" {getattr(knobs, name)}: {reason}")
 
 
 # MoE knob values torchtitan's MoE block does not have (or memcalc has not measured), each with the reason.
@@ -316,15 +411,8 @@ EP_WITHOUT_TP = Refusal(
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm's whole 16-byte strides (`check_grouped_mm`) for each rank's expert width: e/t under TP at
     ep = 1, whole under ep = t. Under SelectiveAC, no matmul of a MoE block with the router gate's (h, E) weight
-    (`_gate_shaped`). RoPE on heads of even width: Qwen3's CosSinRoPE and Llama3's ComplexRoPE both rotate channel
-    pairs."""
-    d = config.head_dim
-    if d % 2 and config.qk_layernorm:
-        raise ConfigError(f"impl torchtitan: Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1}"
-                          f" wide: d = {d} is odd (a RuntimeError); use an even kv_channels")
-    if d % 2:
-        raise ConfigError(f"impl torchtitan: Llama3's ComplexRoPE reshapes each head into channel pairs: d = {d} is"
-                          " odd (a RuntimeError); use an even h/a")
+    (`_gate_shaped`). RoPE on heads of even width (`_check_rope`)."""
+    _check_rope(config)
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
     f, shards = config.expert_ffn // config.t, (config.dp_shard or 1) * config.cp
@@ -340,6 +428,24 @@ def check_sizes(config: Any) -> None:
                           " modelled; use recompute none or full")
 
 
+def _check_rope(config: Any) -> None:
+    """RoPE on heads of even width: Qwen3's CosSinRoPE and Llama3's ComplexRoPE rotate channel pairs, DeepSeek-V3's
+    ComplexRoPE those of each head's RoPE part (d_r wide)."""
+    if config.mla:
+        if config.qk_rope_head_dim % 2:
+            raise ConfigError(f"impl torchtitan: DeepSeek-V3's ComplexRoPE reshapes each head's RoPE part into channel"
+                              f" pairs: qk_rope_head_dim = {config.qk_rope_head_dim} is odd (a RuntimeError); use an"
+                              " even qk_rope_head_dim")
+        return
+    d = config.head_dim
+    if d % 2 and config.qk_layernorm:
+        raise ConfigError(f"impl torchtitan: Qwen3's CosSinRoPE rotates channel pairs, its table 2*(d//2) = {d - 1}"
+                          f" wide: d = {d} is odd (a RuntimeError); use an even kv_channels")
+    if d % 2:
+        raise ConfigError(f"impl torchtitan: Llama3's ComplexRoPE reshapes each head into channel pairs: d = {d} is"
+                          " odd (a RuntimeError); use an even h/a")
+
+
 def expert_dim1(config: Any) -> bool:
     """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
     (dp_replicate x fsdp, its ParallelDims' fsdp = dp_shard*cp) has more ranks than there are experts."""
@@ -348,14 +454,29 @@ def expert_dim1(config: Any) -> bool:
 
 def _gate_shaped(config: Any) -> tuple[str, ...]:
     """The block's matmuls whose weight on a rank, (in, out), is the router gate's (h, E), whole (the none layout) or
-    split over t: wqkv's (h, (a + 2g)d/t), wo's (ad/t, h), the shared experts' w1's and w3's (h, u/t) and w2's
+    split over t: the attention's (`_attention_weights`), the shared experts' w1's and w3's (h, u/t) and w2's
     (u/t, h). Found by the differential test (u/t = E)."""
     h, e, u = config.h, config.num_experts, config.moe_shared_expert_intermediate_size or 0
-    weights = {"wqkv": lambda t: (h, (config.a + 2 * config.groups) * config.head_dim // t),
-               "wo": lambda t: (config.a * config.head_dim // t, h),
-               "the shared experts' w1 (and w3)": lambda t: (h, u // t), "the shared experts' w2": lambda t: (u // t, h)}
+    weights = {**_attention_weights(config), "the shared experts' w1 (and w3)": lambda t: (h, u // t),
+               "the shared experts' w2": lambda t: (u // t, h)}
     return tuple(f"{name} at {'t=1' if shape(1) == (h, e) else f't={config.t}'}" for name, shape in weights.items()
                  if (h, e) in {shape(1), shape(config.t)})
+
+
+def _attention_weights(config: Any) -> dict[str, Any]:
+    """The attention's weights on a rank of t, (in, out): Llama3's wqkv (h, (a + 2g)d/t) and wo (ad/t, h); DeepSeek-V3's
+    wq (h, a(d_n + d_r)/t) or wq_a (h, r_q) and wq_b (r_q, a(d_n + d_r)/t), wkv_a (h, r_kv + d_r), wkv_b
+    (r_kv, a(d_n + d_v)/t), wo (a d_v/t, h)."""
+    h, a = config.h, config.a
+    if not config.mla:
+        return {"wqkv": lambda t: (h, (a + 2 * config.groups) * config.head_dim // t),
+                "wo": lambda t: (a * config.head_dim // t, h)}
+    r_q, r_kv, heads = config.q_lora_rank, config.kv_lora_rank, a * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    query = {"wq": lambda t: (h, heads // t)} if r_q is None else {
+        "wq_a": lambda t: (h, r_q), "wq_b": lambda t: (r_q, heads // t)}
+    return {**query, "wkv_a": lambda t: (h, r_kv + config.qk_rope_head_dim),
+            "wkv_b": lambda t: (r_kv, a * (config.qk_nope_head_dim + config.v_head_dim) // t),
+            "wo": lambda t: (a * config.v_head_dim // t, h)}
 
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
@@ -410,12 +531,14 @@ IMPLEMENTATION = Implementation(
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
     " all-to-all dispatcher over the TP ranks); with qk_layernorm its Qwen3TransformerBlock (q_norm and k_norm on"
     " each head, heads of kv_channels, CosSinRoPE) under set_qwen3_sharding_config at t = 1, tp and tp-sp, dense"
-    " and with experts",
+    " and with experts; with kv_lora_rank its DeepSeekV3TransformerBlock (latent attention, with and without a query"
+    " latent, d_v = d_n + d_r for the CPU's flash kernel) under set_deepseek_v3_sharding_config at t = 1, tp and"
+    " tp-sp, without recomputation, FullAC and SelectiveAC, with its FeedForward and its MoE",
     keeps=keeps,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
-    tensors=(*LN1, *LN2, *Q_NORM, *K_NORM, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, ROPE_COS, ROPE_SIN,
-             V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT, MOE_TOPK_VALUES),
+    tensors=(*LN1, *LN2, *Q_NORM, *K_NORM, *MLA_TENSORS, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, WO_OUT, ROPE_CACHE,
+             ROPE_COS, ROPE_SIN, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT, MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
     check_sizes=check_sizes,

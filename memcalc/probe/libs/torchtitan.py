@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import tensors_at
@@ -46,6 +47,9 @@ from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers
 from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
 from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT, set_qwen3_sharding_config  # noqa: E402
 from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # noqa: E402
+from torchtitan.models.deepseek_v3 import _build_dsv3_layers  # noqa: E402
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 NOTES = shim.NOTES
@@ -54,6 +58,11 @@ WEIGHT_SEED = 4321
 SPMD_BACKEND = "spmd_types"  # torchtitan's default (ParallelismConfig.spmd_backend)
 ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is kept
 QWEN3_ROPE_THETA = 1000000.0  # its flavours'
+# DeepSeek-V3's flavours' RoPE (YaRN over a 4096-token original length) and attention scale; the values do not
+# change what is kept
+DSV3_ROPE = {"theta": 10000.0, "scaling": "yarn", "rope_factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "original_seq_len": 4096}
+DSV3_MSCALE = 0.70
 
 
 # -- building the block -----------------------------------------------------------
@@ -83,12 +92,12 @@ def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, v
     """torchtitan's Llama3Model config, every block Llama3's, or with qk_layernorm its Qwen3Model's, every block
     Qwen3's dense one (heads of kv_channels, q_norm and k_norm, CosSinRoPE): its attention as `model_config` says,
     the ends Llama3's (their initialisation does not change what is kept), TP plan filled in."""
-    qwen3 = config.qk_layernorm
+    qwen3, mla = config.qk_layernorm, config.mla
     blocks = _blocks(config, layers)
     for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     tied = config.tie_embeddings  # as its 1B and 3B flavours: the table is lm_head's weight, initialised as lm_head's
-    model = (Qwen3Model if qwen3 else Llama3Model).Config(
+    model = (DeepSeekV3Model if mla else Qwen3Model if qwen3 else Llama3Model).Config(
         dim=config.h, vocab_size=vocab_size, layers=blocks, enable_weight_tying=tied,
         norm=RMSNorm.Config(normalized_shape=config.h, param_init=llama3._NORM_INIT),
         tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=config.h,
@@ -96,7 +105,9 @@ def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, v
         lm_head=Linear.Config(in_features=config.h, out_features=vocab_size,
                               param_init=llama3._output_linear_init(config.h)),
     )
-    if qwen3:
+    if mla:
+        set_deepseek_v3_sharding_config(model, enable_sp=sequence_parallel, enable_ep=config.ep > 1)
+    elif qwen3:
         set_qwen3_sharding_config(model, enable_sp=sequence_parallel, enable_ep=config.ep > 1)
     else:
         set_llama3_sharding_config(model, enable_sp=sequence_parallel)
@@ -106,6 +117,8 @@ def _decoder_config(config: ModelConfig, sequence_parallel: bool, layers: int, v
 def _blocks(config: ModelConfig, layers: int) -> list[Any]:
     """`layers` dense block configs from torchtitan's own builder: Llama3's (ComplexRoPE), or with qk_layernorm
     Qwen3's (heads of kv_channels, q_norm and k_norm, CosSinRoPE)."""
+    if config.mla:
+        return _dsv3_blocks(config, layers)
     sizes = {"n_layers": layers, "dim": config.h, "n_heads": config.a, "n_kv_heads": config.groups,
              "hidden_dim": config.ffn, "fuse_qkv": True, "attn_backend": "flex"}
     if config.qk_layernorm:
@@ -115,10 +128,32 @@ def _blocks(config: ModelConfig, layers: int) -> list[Any]:
     return _build_llama3_layers(**sizes, rope=rope)
 
 
+def _dsv3_blocks(config: ModelConfig, layers: int) -> list[Any]:
+    """`layers` DeepSeek-V3 blocks from torchtitan's own builder, every one dense (its MoE, where the knobs ask for
+    one, is `moe_block_config`'s): its latent attention (wq, or with a query latent wq_a, q_norm and wq_b; wkv_a,
+    kv_norm, wkv_b, ComplexRoPE on each head's d_r-wide RoPE part, wo), a FeedForward of ffn. Its attention's
+    stand-ins on a CPU are SDPA's flash kernel, which refuses values narrower or wider than the heads."""
+    if config.v_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim:
+        raise ConfigError(f"measure, impl torchtitan: v_head_dim {config.v_head_dim} is not qk_nope_head_dim +"
+                          f" qk_rope_head_dim = {config.qk_nope_head_dim + config.qk_rope_head_dim}: flex attention has"
+                          " no CPU backward, and SDPA's CPU flash kernel, its stand-in (which keeps what compiled flex"
+                          " keeps), needs one head width for q, k and v; pick v_head_dim equal to it")
+    rope = ComplexRoPE.Config(dim=config.qk_rope_head_dim, max_seq_len=config.s, **DSV3_ROPE)
+    return _build_dsv3_layers(
+        n_layers=layers, n_dense_layers=layers, dim=config.h, n_heads=config.a, q_lora_rank=config.q_lora_rank or 0,
+        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, mscale=DSV3_MSCALE,
+        dense_hidden_dim=config.ffn, moe_hidden_dim=config.ffn, num_experts=1, num_shared_experts=0, router_top_k=1,
+        router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, rope=rope,
+    )
+
+
 def moe_block_config(config: ModelConfig, dense_block: Any, sequence_parallel: bool) -> Any:
     """torchtitan's Qwen3 MoE decoder layer from its own builder (its MoE: the "standard" dispatcher, local at EP=1,
-    and GroupedExperts), with `dense_block`'s attention and norms (Llama3's, or with qk_layernorm Qwen3's own).
-    The knobs pick the router and the shared experts, a FeedForward initialised as `dense_block`'s."""
+    and GroupedExperts), with `dense_block`'s attention and norms (Llama3's, or with qk_layernorm Qwen3's own); with
+    kv_lora_rank DeepSeek-V3's own block, that MoE in its FeedForward's place. The knobs pick the router and the
+    shared experts, a FeedForward initialised as `dense_block`'s."""
     layer = _build_qwen3_moe_layers(
         n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.head_dim,
         moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,
@@ -136,6 +171,8 @@ def moe_block_config(config: ModelConfig, dense_block: Any, sequence_parallel: b
         )
     set_moe_sharding_config(layer.moe, enable_ep=config.ep > 1, enable_sp=sequence_parallel,
                             expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
+    if config.mla:
+        return replace(dense_block, feed_forward=None, moe=layer.moe)
     return layer
 
 
@@ -204,6 +241,7 @@ def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 
 
 HEAD_NORMS = (("*attention.q_norm", rules.Q_NORM), ("*attention.k_norm", rules.K_NORM))  # Qwen3's, on each head
+LATENT_NORMS = (("*attention.q_norm", rules.MLA_Q_NORM), ("*attention.kv_norm", rules.MLA_KV_NORM))  # DeepSeek-V3's
 
 
 def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
@@ -213,6 +251,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     SelectiveAC's op outputs; without one, the input is not kept (the norm keeps
     its fp32 upcast), except in fp32, where the upcast is the input itself. V is
     named as the rules predict it at these sizes on t ranks (a view at b = s = 1).
+    DeepSeek-V3's latent attention is `latent_rules`' (under SelectiveAC `latent_outputs`').
     """
     d = config.head_dim
     predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
@@ -223,28 +262,60 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     # Qwen3's q_norm and k_norm: in fp32 their input is kept (as LN1's), unless it is a view of wqkv's output (V's)
     head_norms = [Rule(module, "rms_norm", norm.input_fp32, arg=0) for module, norm in HEAD_NORMS
                   if config.dtype == "fp32" and not views]
-    wo = Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d))  # the attention kernel's output
+    proj_in, width = (ledger.MLA_PROJ_IN, config.v_head_dim) if config.mla else (ledger.PROJ_IN, d)
+    wo = Rule("*attention.wo", "linear", proj_in, arg=0, view=head_columns(width))  # the attention kernel's output
+    attention = (*latent_rules(config), wo) if config.mla else (
+        *head_norms, Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0), q, k, v, wo)
     gate = Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0)  # w1's output
-    if config.recompute != "none":  # of the MoE's: topk's second output (gather's index), the shared experts' w1's
-        moe = (r for r in moe_rules() if r.tensor in (ledger.ROUTER_TOPK_INDICES, ledger.SHARED_GATE))
+    if config.recompute != "none":  # of the MoE's: topk's second output (gather's index), the shared experts' w1, w3
+        moe = (r for r in moe_rules() if r.tensor in (ledger.ROUTER_TOPK_INDICES, ledger.SHARED_GATE, ledger.SHARED_UP))
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
-            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)), wo, gate,
-            Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)), *latent_outputs(config),
+            wo, Rule("*attention.wo", "linear", rules.WO_OUT), gate,
+            Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1), Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
             Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES), *moe,
             Rule("*moe.shared_experts.w2", "linear", rules.SHARED_FC2_OUT),
         )
     return (
         Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)
         Rule("*ffn_norm", "rms_norm", rules.LN2.input_fp32, arg=0),
-        *head_norms,
-        Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
-        q, k, v, wo,
+        *attention,
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0), gate,
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),
         Rule("*feed_forward.w2", "linear", ledger.FC2_IN, arg=0),
         *moe_rules(),
+    )
+
+
+def latent_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """DeepSeek-V3's Attention: x as wkv_a (and wq or wq_a) reads it, the up projections' inputs, Q and K as SDPA
+    gets them (torch.cat's copies), V's base (wkv_b's whole output, its heads of d_n + d_v); the latents' norms are
+    aten's (`aten_rules`)."""
+    q, k, v = sdpa_inputs("*attention.inner_attention")
+    up_out = head_columns(config.qk_nope_head_dim + config.v_head_dim)
+    return (
+        Rule("*attention.wkv_a", "linear", rules.MLA_IN, arg=0),
+        Rule("*attention.wq_b", "linear", rules.MLA_Q_UP_IN, arg=0),
+        Rule("*attention.wkv_b", "linear", rules.MLA_KV_UP_IN, arg=0),
+        replace(q, tensor=ledger.MLA_Q), replace(k, tensor=ledger.MLA_K),
+        replace(v, tensor=ledger.MLA_KV_UP_OUT, view=lambda x: up_out(x._base)),
+    )
+
+
+def latent_outputs(config: ModelConfig) -> tuple[Rule, ...]:
+    """DeepSeek-V3's Attention's matmul outputs, of which SelectiveAC saves every other: wq's or wq_a's, wkv_a's,
+    wkv_b's (its heads of d_n + d_v); none without kv_lora_rank."""
+    if not config.mla:
+        return ()
+    return (
+        Rule("*attention.wq", "linear", rules.MLA_WQ_OUT,
+             view=head_columns(config.qk_nope_head_dim + config.qk_rope_head_dim)),
+        Rule("*attention.wq_a", "linear", rules.MLA_WQ_A_OUT),
+        Rule("*attention.wkv_a", "linear", rules.MLA_WKV_A_OUT),
+        Rule("*attention.wkv_b", "linear", rules.MLA_WKV_B_OUT,
+             view=head_columns(config.qk_nope_head_dim + config.v_head_dim)),
     )
 
 
@@ -284,11 +355,13 @@ _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_
             "_scaled_dot_product_cudnn_attention")
 
 
-def aten_rules() -> tuple[Rule, ...]:
-    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm; Qwen3's q_norm and k_norm too), the attention
-    kernel's log-sum-exp, and the MoE gate's fp32 copies of its weight and input (autocast's)."""
+def aten_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm; Qwen3's q_norm and k_norm, or DeepSeek-V3's on
+    its latents, too), the attention kernel's log-sum-exp, and the MoE gate's fp32 copies of its weight and input
+    (autocast's)."""
     norms = []
-    for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2), *HEAD_NORMS):
+    inner = LATENT_NORMS if config.mla else HEAD_NORMS
+    for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2), *inner):
         norms += [
             Rule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
             Rule(module, "rsqrt", norm.rstd, view=statistics),
@@ -335,7 +408,7 @@ def run_layer(
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         log = stack.enter_context(CollectiveLog())
         with SavedTensorRecorder(state) as recorder:
-            with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
+            with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules(config)):
                 y = block(x, None, None)
             cached = shim.cached_tensors(caches)  # the op outputs SelectiveAC keeps until backward's recompute
             if cached:

@@ -142,6 +142,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     m = torchtitan_microbatches(config)
     pp_sharded = config.pp > 1 and config.dp_shard is not None
     missing = [
+        # its layer's tensors are the ledger's (memcalc.model.impls.torchtitan.latent_attention_block); the walk's ops
+        # are Llama3's fused wqkv attention
+        (config.mla, "DeepSeek-V3's latent attention (kv_lora_rank)"),
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
         # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in

@@ -24,6 +24,10 @@ LLAMA3 = {
 }
 GQA = {"num_query_groups": 2}
 QWEN3 = {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 2}  # its Qwen3 block: heads of 12, not h/a = 16
+# its DeepSeek-V3 block, small: a key/value latent of 24, heads of d_n + d_r = 8 + 4, values of d_v = 12 (the CPU
+# stand-in's flash kernel needs d_v = d_n + d_r)
+MLA = {"kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12}
+Q_LATENT = {"q_lora_rank": 16}
 
 
 def _measured(knobs: dict, t: int, strategy: str, mode: str = "fake") -> list:
@@ -75,6 +79,23 @@ CASES = {
         QWEN3 | {"b": 1, "s": 1, "num_query_groups": 1}, 1, "none"),
     "qwen3, b=s=1, fp32, tp t=2, one K/V group per rank: the head norms keep those views": (
         QWEN3 | {"b": 1, "s": 1, "dtype": "fp32"}, 2, "tp"),
+    # torchtitan's DeepSeek-V3 block (kv_lora_rank): latents whole on every rank, V a view of wkv_b's output
+    "mla, none, b=2, s odd: kv_norm's fp32 upcast, wkv_b's whole output in V's place": (MLA | {"s": 7}, 1, "none"),
+    "mla with a query latent, none, b=1, s odd: q_norm's tensors and wq_b's input": (
+        MLA | Q_LATENT | {"b": 1, "s": 5}, 1, "none"),
+    "mla, tp t=2, s odd: the latents whole, the heads split": (MLA | {"s": 9}, 2, "tp"),
+    "mla with a query latent, tp t=2, b=1": (MLA | Q_LATENT | {"b": 1, "s": 13}, 2, "tp"),
+    "mla, tp-sp t=2: x gathered, the latents whole": (MLA | {"s": 10}, 2, "tp-sp"),
+    "mla with a query latent, tp-sp t=2, b=1": (MLA | Q_LATENT | {"b": 1, "s": 14}, 2, "tp-sp"),
+    "mla with a query latent, tp-sp t=4, eight heads": (MLA | Q_LATENT | {"a": 8}, 4, "tp-sp"),
+    "mla, full recompute, tp-sp t=2": (MLA | Q_LATENT | {"recompute": "full"}, 2, "tp-sp"),
+    "mla, op recompute, none, s odd: wq's and wkv_b's outputs, w1's and w2's (four matmuls before them)": (
+        MLA | {"recompute": "op", "s": 7}, 1, "none"),
+    "mla with a query latent, op recompute, none: wq_a's, wkv_a's, wo's and w3's outputs (five before them)": (
+        MLA | Q_LATENT | {"recompute": "op", "b": 1, "s": 5}, 1, "none"),
+    "mla, op recompute, tp t=2": (MLA | {"recompute": "op", "s": 9}, 2, "tp"),
+    "mla with a query latent, op recompute, tp-sp t=2: wo's output whole before its reduce-scatter": (
+        MLA | Q_LATENT | {"recompute": "op"}, 2, "tp-sp"),
 }
 
 
@@ -115,6 +136,35 @@ def test_under_sequence_parallelism_the_column_parallel_inputs_are_kept_whole():
 def test_knobs_torchtitans_llama3_does_not_have_are_refused_with_the_reason(knobs, reason):
     with pytest.raises(ConfigError, match=reason):
         estimate(build_config(LLAMA3 | knobs | {"t": 2}), STRATEGIES["tp-sp"])
+
+
+@pytest.mark.parametrize("knobs, reason", [
+    ({"dtype": "fp32"}, "dtype fp32: measured in bf16 only"),
+    ({"qk_rope_head_dim": 5}, "qk_rope_head_dim = 5 is odd"),
+])
+def test_latent_attention_knobs_not_measured_on_torchtitans_block_are_refused_with_the_reason(knobs, reason):
+    with pytest.raises(ConfigError, match=reason):
+        estimate(build_config(LLAMA3 | MLA | knobs | {"t": 2}), STRATEGIES["tp-sp"])
+
+
+def test_the_probe_refuses_values_of_another_width_than_the_heads_the_cpu_flash_kernel_needs():
+    config = build_config(LLAMA3 | MLA | {"v_head_dim": 10})
+    with pytest.raises(ConfigError, match="v_head_dim 10 is not qk_nope_head_dim"):
+        runner.block_config(config, False)
+
+
+def test_on_cuda_the_latent_norms_are_fused_kv_norm_keeping_wkv_as_output_and_rope_its_gathered_table():
+    """The fused rms_norm keeps its input as passed: kv_norm's, a split of wkv_a's output, keeps that whole (the
+    latent and the keys' RoPE part); ComplexRoPE keeps its table gathered at the trainer's positions, d_r wide."""
+    config = build_config(LLAMA3 | MLA | Q_LATENT | {"t": 2})
+    sp = STRATEGIES["tp-sp"]
+    on = {device: {x.tensor.name: x for x in estimate(config, sp, Accounting(exact=True, device=device)).tensors}
+          for device in ("cpu", "cuda")}
+    assert set(on["cuda"]) - set(on["cpu"]) == {"ln1/input", "ln2/input", "mla/q_norm_input", "mla/kv_norm_input",
+                                                 "mla/rope_cache"}
+    b, s = LLAMA3["b"], LLAMA3["s"]
+    assert on["cuda"]["mla/kv_norm_input"].bytes == b * s * (MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]) * 2
+    assert on["cuda"]["mla/rope_cache"].bytes == b * s * MLA["qk_rope_head_dim"] * 4
 
 
 def test_llama3s_complex_rope_raises_on_heads_of_odd_width_as_the_refusal_says():
@@ -162,11 +212,13 @@ def test_the_op_checkpointing_patch_undoes_itself():
     assert activation_checkpoint._get_default_save_ops is original
 
 
-@pytest.mark.parametrize("knobs", [GQA, QWEN3], ids=["llama3", "qwen3"])
+@pytest.mark.parametrize("knobs", [GQA, QWEN3, MLA, MLA | Q_LATENT],
+                         ids=["llama3", "qwen3", "deepseek-v3", "deepseek-v3 with a query latent"])
 def test_a_blocks_parameters_are_the_inventorys_by_name_and_shape(knobs):
-    """Each parameter of torchtitan's own block (Qwen3's with its q_norm and k_norm, one head's d channels each), path
-    and shape, as the model the probe builds registers it: what the count, the step walk's weight gradients and
-    FSDP2's shards read (memcalc.sizing.params)."""
+    """Each parameter of torchtitan's own block (Qwen3's with its q_norm and k_norm, one head's d channels each;
+    DeepSeek-V3's latent attention, its down projections, latent norms and up projections), path and shape, as the
+    model the probe builds registers it: what the count, the step walk's weight gradients and FSDP2's shards read
+    (memcalc.sizing.params)."""
     from memcalc.sizing.params import torchtitan_layer_params
 
     config = build_config(LLAMA3 | knobs)

@@ -31,6 +31,9 @@ SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torcht
 QWEN3_MOE = {}  # softmax router, route_norm (its builder's), no shared experts
 QWEN3_ATTENTION = {"qk_layernorm": True, "kv_channels": 12}  # its Qwen3 attention (heads of 12, not h/a = 8)
 DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48}
+# its latent attention (DeepSeekV3TransformerBlock's own): heads of d_n + d_r = 8 + 4, values of d_v = 12
+MLA = {"num_query_groups": None, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12}
+Q_LATENT = {"q_lora_rank": 16}
 NONE = STRATEGIES["none"]
 CPU = Accounting(exact=True, device="cpu")
 
@@ -48,6 +51,7 @@ CASES = {
         "num_experts": 8, "moe_router_topk": 1, "moe_shared_expert_intermediate_size": 64},
     "the moe layer of a dense + moe mix": QWEN3_MOE | {"moe_layer_freq": 2, "L": 2},
     "qwen3-moe with its own attention: q_norm, k_norm, heads of kv_channels": QWEN3_MOE | QWEN3_ATTENTION,
+    "deepseek-v3's own block: its latent attention (a query latent) before its MoE": DEEPSEEK_V3 | MLA | Q_LATENT,
 }
 
 
@@ -74,11 +78,18 @@ SELECTIVE = {"layer/input", "attention/qkv_out", "attention/proj_in", "attention
     ("full", DEEPSEEK_V3, {"layer/input"}),
     ("op", QWEN3_MOE, SELECTIVE),
     ("op", DEEPSEEK_V3, SELECTIVE | {"moe/shared_gate", "moe/shared_fc2_out"}),
-], ids=["full-qwen3-moe", "full-deepseek-v3", "op-qwen3-moe", "op-deepseek-v3"])
+    ("op", DEEPSEEK_V3 | MLA, SELECTIVE - {"attention/qkv_out", "attention/proj_in"} | {
+        "mla/wq_out", "mla/wkv_b_out", "mla/proj_in", "moe/shared_gate", "moe/shared_fc2_out"}),
+    ("op", DEEPSEEK_V3 | MLA | Q_LATENT, SELECTIVE - {"attention/qkv_out", "attention/proj_in"} | {
+        "mla/wq_a_out", "mla/wkv_a_out", "mla/proj_in", "attention/wo_out", "moe/shared_up"}),
+], ids=["full-qwen3-moe", "full-deepseek-v3", "op-qwen3-moe", "op-deepseek-v3", "op-deepseek-v3-latent-attention",
+        "op-deepseek-v3-latent-attention-with-a-query-latent"])
 def test_under_its_activation_checkpointing_the_moe_layer_keeps_exactly_what_the_rules_predict(recompute, knobs, kept):
     """FullAC keeps the block's input alone; SelectiveAC also its cached op outputs: wqkv's matmul, the attention
     kernel's, the router's top-k (values and ids), and with shared experts their w1's and w2's matmuls (the gate's mm
-    forced to recompute, the grouped experts' _grouped_mm not on its list)."""
+    forced to recompute, the grouped experts' _grouped_mm not on its list). DeepSeek-V3's latent attention has four
+    matmuls (wq's and wkv_b's saved), or with a query latent five (wq_a's, wkv_a's and wo's saved), which makes the
+    shared experts' w3 the one saved."""
     rows = _rows(knobs | {"recompute": recompute}, "balanced")
     assert_exact(rows)
     assert {row.name for row in rows} == kept
