@@ -145,7 +145,7 @@ def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_th
 
 @pytest.mark.parametrize("changes, named", [
     ({"pp": 2, "num_microbatches": 1}, "num_microbatches=1 below pp=2"),
-    ({"pp": 2, "dp_shard": 2}, "pp with dp_shard"),
+    ({"pp": 2, "dp_shard": 2, "dp_replicate": 2}, "pp with dp_shard beside tp, ep > 1 or dp_replicate"),
     ({"cp": 2}, "cp=2"),
     ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True, "dp_shard": 2}, "tie_embeddings with dp_shard"),
