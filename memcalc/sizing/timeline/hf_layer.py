@@ -205,7 +205,10 @@ def widest(ops: tuple[Op, ...], moments: dict[str, str], each: frozenset[str] = 
         for j, step in enumerate(op.forward):
             holder = i
             for x in step.makes:
-                made.update(_kept_itself(x, made, kept_as))
+                if x.alias:
+                    _kept_itself(x, made, kept_as)
+                else:
+                    made[x.name or x.keeps.name] = x
             if (i, j) in marked:
                 forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), step.frees)]
                 made, older = {}, []
@@ -230,16 +233,16 @@ def widest_forward(ops: tuple[Op, ...], moments: dict[str, str], each: frozenset
     return tuple(replace(op, backward=(), saves=()) for op in widest(ops, marked, each))
 
 
-def _kept_itself(x: Made, made: dict[str, Made], kept_as: set[str]) -> tuple[tuple[str, Made]]:
-    """`x` as `widest` holds it, by name. An alias (in fp32 a norm's no-op upcast) makes its tensor the saved one,
-    which none of the steps that free the tensor frees (`kept_as`): without a checkpoint autograd keeps it; where the
-    tensor was made since the last moment (a projection's output) it is made as the saved one at the moment."""
-    if x.alias:
-        kept_as.add(x.name)
-    if not (x.alias and x.name in made and not made[x.name].alias):
-        return ((x.name or x.keeps.name, x),)
-    del made[x.name]
-    return ((x.keeps.name, Made("", 0, x.why, keeps=x.keeps)),)
+def _kept_itself(x: Made, made: dict[str, Made], kept_as: set[str]) -> None:
+    """The alias `x` (in fp32 a norm's no-op upcast) as `widest` holds it, in `made`: it makes its tensor the saved
+    one, which none of the steps that free the tensor frees (`kept_as`): without a checkpoint autograd keeps it; where
+    the tensor was made since the last moment (a projection's output) it is made as the saved one at the moment."""
+    kept_as.add(x.name)
+    if x.name in made and not made[x.name].alias:
+        del made[x.name]
+        made[x.keeps.name] = Made("", 0, x.why, keeps=x.keeps)
+    else:
+        made[x.name] = x
 
 
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
