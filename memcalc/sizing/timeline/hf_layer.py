@@ -210,7 +210,8 @@ def widest(ops: tuple[Op, ...], moments: dict[str, str], each: frozenset[str] = 
                 else:
                     made[x.name or x.keeps.name] = x
             if (i, j) in marked:
-                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), step.frees)]
+                frees = tuple(x for x in step.frees if x not in kept_as)
+                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), frees)]
                 made, older = {}, []
                 continue
             for name in step.frees:
