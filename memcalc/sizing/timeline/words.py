@@ -68,7 +68,8 @@ def _whose(owners: list[str | None], block: str | None) -> list[str]:
     words: list[str] = []
     run: list[int] = []
     for owner in owners:
-        n = int(owner.removeprefix("layers.")) if owner and owner != block and owner.startswith("layers.") else None
+        layer = re.fullmatch(r"layers\.(\d+)", owner) if owner and owner != block else None
+        n = int(layer.group(1)) if layer else None
         if n is not None and _continues(run, n):
             run.append(n)
             continue
