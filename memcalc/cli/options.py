@@ -101,7 +101,8 @@ sharding_options = _stack(  # SHARDING_FLAGS: data-parallel sharding as torchtit
          " no FSDP]."),
     _int("--dp-replicate", "HSDP: FSDP2 groups that replicate each other [default: dp/dp_shard]."),
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
-                 help="FSDP2 frees each block's gathered parameters after forward [default: on]."),
+                 help="FSDP2 frees each block's gathered parameters after forward (under torchtitan's pipeline"
+                      " never) [default: on]."),
     click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
                  help="FSDP2's reduce_dtype, the gradients' dtype in the reduce-scatter [default: fp32]."),
     click.option("--zero-stage", type=Integer(0, 3), default=None,

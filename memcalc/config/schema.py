@@ -126,7 +126,8 @@ class ModelConfig(Knobs):
                                           " data_parallel_shard_degree); default: no FSDP")
     dp_replicate: int | None = _optional_size("HSDP: FSDP2 groups that replicate each other (default dp/dp_shard)")
     reshard_after_forward: bool = _flag(True, "FSDP2 frees each block's gathered parameters after its forward and"
-                                              " gathers them again for backward")
+                                              " gathers them again for backward (not under torchtitan's pipeline:"
+                                              " its default policy keeps them, and so does the model)")
     reduce_dtype: str = _choice("fp32", "bf16", help="FSDP2's MixedPrecisionPolicy reduce_dtype: the gradients'"
                                 " dtype in the reduce-scatter (param_dtype is dtype)")
     zero_stage: int | None = _field(cs.nullable_schema(cs.int_schema(strict=True, ge=0, le=3)), None,
