@@ -308,7 +308,7 @@ FINDINGS = [
              " found by a drawn run): eager attention's fp32 softmax (the masked scores and their fp32 cast beside"
              " the softmax) is wider than the layer's end at s^2 >> h, with the layer's unsharded parameters still"
              " live; the walk (timeline/hf.py) had the layer's forward as one moment, at its end; it now marks the"
-             " softmax (hf_layer.eager_forward), as without FSDP2, where the two moments tied in bytes",
+             " softmax (hf_layer.core_forward), as without FSDP2, where the two moments tied in bytes",
              fixed=True),
     _finding("transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True, "recompute": "full",
                                       "tie_embeddings": False, "L": 1, "b": 1, "s": 1, "h": 2, "a": 1,

@@ -351,3 +351,26 @@ def test_a_moment_no_step_is_titled_for_is_an_error_not_a_moment_left_unmarked()
     assert [x.what for x in widest((op,), {"the GEMM": "at its widest"})[0].forward] == ["", "at its widest", ""]
     with pytest.raises(AssertionError, match="the GEMMs"):
         widest((op,), {"the GEMMs": "at its widest"})
+
+
+def test_each_step_of_a_name_in_each_marks_a_moment_in_its_own_words():
+    """RoPE's fp32 forward (OLMo's, Cohere's) is wider than the layer's end at each of its steps, q's and k's of one
+    name alike: `each` marks every one of them, where `moments` marks a name's last step only."""
+    steps = tuple(Step("x * cos", (Made(f"layers.0/{n} cos", 4, "a temporary"),), frees=(f"layers.0/{n} pre",))
+                  for n in ("q", "k"))
+    ops = widest((Op("self_attn", steps, ()),), {}, frozenset({"x * cos"}))
+    assert [x.what for x in ops[0].forward if x.makes] == ["x * cos", "x * cos"]
+
+
+def test_a_tensor_an_alias_keeps_is_made_as_the_saved_one_at_the_moment_and_never_freed():
+    """In fp32 a norm's x.to(float32) is x itself (`Made.alias`): without a checkpoint autograd keeps the projection's
+    output the norm reads, so `widest` makes it as the saved tensor (sized by the ledger) and frees it nowhere."""
+    saved = rules.OLMO2_Q_NORM.input_fp32
+    ops = widest((Op("self_attn", (
+        Step("q_proj", (Made("layers.0/q proj", 8, "q_proj's output"),)),
+        Step("x.to(float32)", (Made("layers.0/q proj", 0, "x itself", keeps=saved, alias=True),)),
+        Step("the norm's output", (Made("layers.0/q pre-rope", 8, "the norm's output"),), frees=("layers.0/q proj",)),
+    ), ()),), {"the norm's output": "at its widest"})
+    moment = next(x for x in ops[0].forward if x.what == "at its widest")
+    assert [(x.name, x.keeps) for x in moment.makes] == [("", saved), ("layers.0/q pre-rope", None)]
+    assert not any("layers.0/q proj" in x.frees for x in ops[0].forward)

@@ -445,14 +445,14 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                  output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
         norm_ops(names[2], p, _norms(config)[1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
                  output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
+    attn = mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
+        p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+        () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
+        config.norm if config.qk_layernorm else "", config.has_dropout, rules.scores_capped(config), attn_out,
+        config.fused_qkv, f"attn {proj}", into[0], rope, config.attention_sinks), p, z, config)
     ops = (
         *ln1,
-        *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
-            p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-            () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
-            config.norm if config.qk_layernorm else "", config.has_dropout, rules.scores_capped(config), attn_out,
-            config.fused_qkv, f"attn {proj}", into[0], rope, config.attention_sinks),
-            p, z, config)),
+        *attn,
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
@@ -466,16 +466,11 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     if not checkpointed:
         core, later = mla.eager_forward(p, z, config, saved) if config.mla else oss.eager_forward(
             p, z, saved, config.has_dropout) if rules.is_gpt_oss(config) else \
-            layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
-            layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-        before_rope = (*rules.OLMO2_Q_NORM, *rules.OLMO2_K_NORM) if config.post_norm else tuple(_norms(config)[0])
-        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", before_rope) if rotated else (
-            (), frozenset())
-        closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
-        ops = (*layer.layer_forward(i, z, made, sparse, core, resid, later,
-                                    config.post_norm or ln.walks(config) or z.act == 4, closing,
-                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope,
-                                    post_norm=names[3] if config.post_norm else ""),
+            (layer.core_forward(attn, rotated), frozenset())
+        ops = (*layer.layer_forward(i, z, made, core, sparse, resid, later,
+                                    config.post_norm or ln.walks(config) or z.act == 4,
+                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ,
+                                    post_norm=post_mlp if sandwich else ()),
                *(replace(x, forward=()) if x.forward else x for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops

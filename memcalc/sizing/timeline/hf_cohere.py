@@ -159,11 +159,8 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
     )
     if checkpointed:
         return ops
-    core, later = hf_layer.eager_forward(p, z, saved) if eager else (
-        hf_layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-    return (*hf_layer.layer_forward(i, z, made, (), core, False, later, parallel=True,
-                                    rope=olmo.forward(p, z, saved, rotated, eager, tuple(rules.COHERE_LN1))
-                                    if rotated else ((), frozenset())),
+    core = hf_layer.core_forward((*attention, o_proj), rotated)
+    return (*hf_layer.layer_forward(i, z, made, core, parallel=True),
             *(replace(x, forward=()) for x in ops))
 
 

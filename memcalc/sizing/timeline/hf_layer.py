@@ -7,7 +7,7 @@ layer".
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
@@ -184,29 +184,39 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
-def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
+def widest(ops: tuple[Op, ...], moments: dict[str, str], each: frozenset[str] = frozenset()) -> tuple[Op, ...]:
     """Ops described op by op (for a checkpoint's walk) as a forward without one walks them, at its widest moments
     only: the last step of each name in `moments` marks one, in that moment's words (a sparse block's,
-    hf_moe.block_forward; the final norm's). The steps between two moments are one: what they free of older tensors
+    hf_moe.block_forward; the final norm's; the attention's core, `core_forward`), and each step of a name in `each`,
+    in its own (RoPE's in fp32). The steps between two moments are one: what they free of older tensors
     goes first, what they make and do not free again is made at the moment, in its op (a MoE layer has thousands of
     steps); backward is the ops' own. A name no step has is an error: its moment would go unmarked."""
     last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
     if missing := moments.keys() - last.keys():
         raise AssertionError(f"no step to mark the moment of: {', '.join(sorted(missing))}")
-    marked = {last[what]: words for what, words in moments.items()}
+    marked = {last[what]: words for what, words in moments.items()} | {
+        (i, j): step.what for i, op in enumerate(ops) for j, step in enumerate(op.forward) if step.what in each}
     forward: list[list[Step]] = [[] for _ in ops]
     made: dict[str, Made] = {}  # made since the last moment and live
     older: list[str] = []  # freed since the last moment, made before it
+    kept_as: set[str] = set()  # the tensors an alias makes saved ones (`_kept_itself`)
     holder = 0
     for i, op in enumerate(ops):
         for j, step in enumerate(op.forward):
             holder = i
-            made.update((x.name or x.keeps.name, x) for x in step.makes)
+            for x in step.makes:
+                if x.alias:
+                    _kept_itself(x, made, kept_as)
+                else:
+                    made[x.name or x.keeps.name] = x
             if (i, j) in marked:
-                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), step.frees)]
+                frees = tuple(x for x in step.frees if x not in kept_as)
+                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), frees)]
                 made, older = {}, []
                 continue
             for name in step.frees:
+                if name in kept_as:
+                    continue
                 if name in made and not made[name].alias:
                     del made[name]
                 else:
@@ -215,7 +225,31 @@ def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
     return tuple(replace(op, forward=tuple(steps)) for op, steps in zip(ops, forward))
 
 
+def widest_forward(ops: tuple[Op, ...], moments: dict[str, str], each: frozenset[str] = frozenset()
+                   ) -> tuple[Op, ...]:
+    """`widest`'s forward alone, at those of `moments` (the steps that may be a walk's widest) its steps have: a layer's
+    forward without a checkpoint walks it before the ops, whose backward is their own."""
+    steps = {step.what for op in ops for step in op.forward}
+    marked = {what: words for what, words in moments.items() if what in steps}
+    return tuple(replace(op, backward=(), saves=()) for op in widest(ops, marked, each))
+
+
+def _kept_itself(x: Made, made: dict[str, Made], kept_as: set[str]) -> None:
+    """The alias `x` (in fp32 a norm's no-op upcast) as `widest` holds it, in `made`: it makes its tensor the saved
+    one, which none of the steps that free the tensor frees (`kept_as`): without a checkpoint autograd keeps it; where
+    the tensor was made since the last moment (a projection's output) it is made as the saved one at the moment."""
+    kept_as.add(x.name)
+    if x.name in made and not made[x.name].alias:
+        del made[x.name]
+        made[x.keeps.name] = Made("", 0, x.why, keeps=x.keeps)
+    else:
+        made[x.name] = x
+
+
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
+# the MLP's post-norm's widest forward step, by its words op by op, and its moment's words: Olmo2RMSNorm's cast back
+POST_NORM_MOMENTS = {
+    "the cast back: the norm's output": "Olmo2RMSNorm at its widest: weight * (x * r) in fp32 cast back"}
 
 
 def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
@@ -226,81 +260,60 @@ def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
     return (Op("", (Step("", (stream,)),), ()),)
 
 
-def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
+def layer_forward(i: int, z: Sizes, kept: Step, core: tuple[Op, ...], mlp: tuple[Op, ...] = (),
                   dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
-                  closing: frozenset[SavedTensor] = frozenset(), parallel: bool = False, down_proj: str = DOWN_PROJ,
-                  rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset()), post_norm: str = ""
+                  parallel: bool = False, down_proj: str = DOWN_PROJ, post_norm: tuple[Op, ...] = ()
                   ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
-    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
-    core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
-    are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
-    dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
-    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
-    layer's input and the stream are kept themselves (nn.LayerNorm's inputs; in fp32 the norms' x.to(float32), a
-    no-op; OLMo 2's projections, `unnormed`). `closing`: what Gemma 2's post_feedforward_layernorm keeps, made after
-    down_proj (whose output goes as the norm returns). `parallel`: the attention and the MLP read one norm's output
-    (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
-    projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
-    itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it). The
-    kept tensors a sparse block's own steps make (hf_moe.block_forward) are made there, not before it. `post_norm`:
-    OLMo 2's post_feedforward_layernorm, in bf16 wider than the layer's end (`_post_norm_widest`)."""
+    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention's
+    own moments (`core`: its ops op by op at their widest, core_forward; DeepSeek's, hf_mla, and gpt-oss's core
+    alone), the tensors kept up to o_proj's input are made before it, but the core's `later` ones and those its steps
+    make, which are not made again. Under tp a dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial
+    sum into a new tensor: a moment before the sum, as many bytes as it (the partial goes as the sum is made), which
+    MemTracker reads first. `kept_inputs`: the layer's input and the stream are kept themselves (nn.LayerNorm's
+    inputs; in fp32 the norms' x.to(float32), a no-op; OLMo 2's projections, `unnormed`). `parallel`: the attention
+    and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then.
+    `down_proj`: the MLP's rowwise projection (StarCoder 2's c_proj). The kept tensors a sparse block's own steps make
+    (hf_moe.block_forward) are made there, not before it. `post_norm`: the post_feedforward_layernorm op by op
+    (Gemma 2's, OLMo 2's), its kept tensors made after down_proj (whose output goes as the norm returns); OLMo 2's in
+    bf16 wider than the layer's end at its cast back (`POST_NORM_MOMENTS`: the fp32 weight * (x * r), its bf16 copy
+    and the variance beside down_proj's output, the step's peak where the layer's unsharded parameters are live in
+    forward, FSDP2, and h is small)."""
     p, full = f"layers.{i}", z.full(z.h)
     alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
-    rope_ops, early = rope
-    if core or rope_ops:
-        at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
-        rotated = {x.keeps for op in rope_ops for step in op.forward for x in step.makes if x.keeps is not None}
-        before = tuple(x for x in kept.makes[:at] if x.keeps not in later | rotated)
-        if rope_ops:  # the core's kept tensors made after RoPE's
-            made_after = (Op("", (Step("the core's kept tensors", tuple(x for x in before if x.keeps not in early),
-                                       moment=False),), ()),)
-            rope_ops, before = (*rope_ops, *made_after), tuple(x for x in before if x.keeps in early)
-        own = {x.keeps for op in core for step in op.forward for x in step.makes if x.keeps}  # made by the core
-        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later - rotated), *kept.makes[at:])
-                      if x.keeps not in own)
-        core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
-        kept, alias = replace(kept, makes=after), ()
+    at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
+    own = {x.keeps.name for op in core for step in op.forward for x in step.makes if x.keeps}  # the core's
+    before = tuple(x for x in kept.makes[:at] if x.keeps not in later and x.keeps.name not in own)
+    after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+                  if x.keeps.name not in own)
+    core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
+    kept = replace(kept, makes=after)
     # the block's own steps' (by name: a MoE block makes thousands)
-    mine = {x.keeps.name for op in mlp for step in op.forward for x in step.makes if x.keeps}
+    mine = {x.keeps.name for op in (*mlp, *post_norm) for step in op.forward for x in step.makes if x.keeps}
     kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps is None or x.keeps.name not in mine))
-    stream = alias if kept_inputs else (Step("the residual stream", (Made(
-        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
-    ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
-                                                                 " to the layer's sum"),), moment=False),)
-    late = tuple(x for x in kept.makes if x.keeps in closing)
+    attended = (f"{p}/attn output", f"{p}/attn proj")  # o_proj's output, where the attention's walk made it
+    stream = (Step("", frees=attended),) if kept_inputs else (Step("the residual stream", (Made(
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), frees=attended,
+        moment=False),
+    ) if not parallel else ()
     # under tp, an MLP's dropout (StarCoder 2's) keeps its mask after down_proj's all-reduce
     masked = tuple(x for x in kept.makes if x.keeps == ledger.MLP_DROPOUT_MASK) if z.t > 1 and not mlp else ()
-    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x not in late + masked)), *stream), ())
+    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x not in masked)), *stream), ())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
-    down = (Op(down_proj, forward=(rowwise(Step("", output), f"{p}/mlp partial", True),
-                                   *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
-               backward=()),) if output and z.t > 1 else ()
-    closing_norm = _post_norm_widest(p, z, post_norm, output) if post_norm and z.act != 4 else ()
-    output = () if closing_norm else output
+    down = (Op(down_proj, forward=(rowwise(Step("", output), f"{p}/mlp partial", True),), backward=()),) \
+        if output and z.t > 1 else ()
+    norm_input = () if down else (Op("", (Step("", output),), ()),)  # down_proj's output, made by its all-reduce
+    closing = widest_forward((*norm_input, *post_norm), POST_NORM_MOMENTS) if post_norm else ()
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *late, *masked, *(() if down and not late else output), *partial,
+        *masked, *(() if down or post_norm else output), *partial,
         Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
-               *((f"{p}/input",) if i else ()), f"{p}/post-norm output")),), backward=())
-    return (*core, made, *mlp, *down, *closing_norm, out)
-
-
-def _post_norm_widest(p: str, z: Sizes, where: str, output: tuple[Made, ...]) -> tuple[Op]:
-    """Olmo2RMSNorm on the MLP's `output` at its widest, its cast back: the fp32 weight * (x * r), its bf16 copy and
-    the variance (locals to the return) beside down_proj's output, which goes as the norm returns (4 bsh + 4 bs bytes
-    above the layer's end, whose sum reads the copy): the step's peak where the layer's unsharded parameters are
-    live in forward (FSDP2) and h is small."""
-    return (Op(where, (
-        Step("Olmo2RMSNorm at its widest: weight * (x * r) in fp32 cast back", (
-            *output, Made(f"{p}/post-norm product", z.tokens(4 * z.h), "weight * (x * r) in fp32, a temporary"),
-            Made(f"{p}/post-norm variance", z.tokens(4), "mean(x^2), (b, s, 1) fp32, a local to the return"),
-            Made(f"{p}/post-norm output", z.full(z.h), "the product cast back, the residual sum's input"))),
-        Step("", frees=(*(x.name for x in output), f"{p}/post-norm product", f"{p}/post-norm variance"))), ()),)
+               *((f"{p}/input",) if i else ()), f"{p}/mlp normed")),), backward=())
+    return (*core, made, *mlp, *down, *closing, out)
 
 
 def residuals(i: int, z: Sizes, weights: SavedTensor | None) -> tuple[Op, Op]:
@@ -723,54 +736,10 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
     )
 
 
-def eager_forward(p: str, z: Sizes, saved: dict[str, int], fused: bool = False
-                  ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """eager_attention_forward's widest forward moment, its fp32 softmax (`eager_core` op by op): the masked scores (the
-    local the softmax rebinds) and, but in fp32, softmax's fp32 cast of them (its input, a temporary) beside the
-    softmax itself and the attention's locals (RoPE's q and k, v, where matmul keeps contiguous copies of them); at
-    s^2 >> h wider than the layer's end. The kept tensors made after it: the weights cast back, dropout's, a V copied
-    for bmm."""
-    sc, (q_copied, k_copied, v_copied) = z.act * z.b * z.a_t * z.s * z.s, _bmm_copies(z, saved, fused)
-    q, kv = z.full(z.a_t * z.d), z.full(z.g_t * z.d)
-    v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else \
-        rules.V_EXPANDED if rules.K_EXPANDED.name in saved else ledger.V
-    heads = (_kept_or_local(p, ledger.Q, saved, "q heads", q, q_copied),
-             _kept_or_local(p, ledger.K, saved, "k heads", kv, k_copied),
-             _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(z.a_t * z.d + 2 * z.g_t * z.d)) if fused else
-             _kept_or_local(p, ledger.V, saved, "v heads", kv, v_copied))
-    locals_ = (
-        *(x for x in heads if x.keeps is None),
-        Made(f"{p}/scores masked", sc, "the scores plus the mask, a local the softmax rebinds"),
-        *((Made(f"{p}/scores fp32", 2 * sc, "softmax's input cast to fp32, a temporary"),) if z.act != 4 else ()),
-    )
-    later = frozenset((rules.WEIGHTS, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, *((v,) if v_copied else ())))
-    return (Op("self_attn", (Step("the fp32 softmax", locals_, frees=tuple(x.name for x in locals_)),), ()),), later
-
-
 def _math_sizes(z: Sizes) -> tuple[int, int, bool]:
     """The math kernel's fp32 (b, a, s, d) and (b, g, s, d) bytes, and whether bmm copies a (b, a, s, d) view of a
     (b, s, a, d) tensor (q, multi-head k and v, dO) to fold (b, a) into one batch: unless b, a or s is 1."""
     return 4 * z.b * z.a_t * z.s * z.d, 4 * z.b * z.g_t * z.s * z.d, z.b > 1 and z.a_t > 1 and z.s > 1
-
-
-def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
-    """The math kernel's widest forward moment, as it returns its output: its C++ locals all live to its return (q, k
-    and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights cast to bf16
-    for the tuple it returns, bmm's fp32 output, cast back; in fp32 the casts are no-ops), beside what it keeps and
-    the attention's locals (RoPE's q and k, v: in fp32 without repeat or copy the kept MATH_V itself). None without
-    the math kernel (the ledger's SDPA_MATH)."""
-    if rules.MATH_Q.name not in saved:
-        return ()
-    fp32 = z.act == 4
-    locals_ = (
-        Made(f"{p}/q heads", z.full(z.a_t * z.d), "RoPE's q, a local of the attention"),
-        Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
-        *(() if fp32 and not gqa and not _math_sizes(z)[2] else (
-            Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),)),
-        *math_locals(p, z, gqa, rules.GLM_ROPE_COS.name not in saved),
-        *(() if fp32 else (Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),)),
-    )
-    return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
 
 
 MATH_WIDEST = "SDPA's math kernel at its widest, as it returns its output"
@@ -837,3 +806,18 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), z.weight("mlp.up_proj"), f"{g}/up_proj input", full,
                      p, (f"{g}/up",), sums=(residual, summed, full) if residual else None, reduced=tp)
     return gate, silu, up_proj, product, down
+
+
+
+# the core's widest forward step in each attention walked op by op, by its words, and its moment's words
+CORE_MOMENTS = {"the fp32 softmax": "the fp32 softmax", "the fp32 softmax: the attention weights": "the fp32 softmax",
+                MATH_WIDEST: MATH_WIDEST}
+
+
+def core_forward(attention: tuple[Op, ...], rope: Sequence[Op] = ()) -> tuple[Op, ...]:
+    """The attention's ops (op by op, o_proj last) as a layer's forward without a checkpoint walks them (`widest`):
+    a moment at the core's widest step (eager's fp32 softmax, wider than the layer's end where s^2 >> h; the math
+    kernel's as it returns its output) and at each step of `rope`'s ops (OLMo's and Cohere's fp32 RoPE, whose
+    products and sums are wider than the layer's end where heads are wide), the tensors kept by then made there, the
+    rest after the last (all of it after the last step with SDPA's flash kernel: the layer's end is wider)."""
+    return widest_forward(attention, CORE_MOMENTS, frozenset(step.what for op in rope for step in op.forward))

@@ -143,11 +143,12 @@ def _core(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int], dq: int,
 
 def eager_forward(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]
                   ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """The core's two forward moments: its fp32 softmax (hf_layer.eager_forward's: the masked scores and their fp32
-    cast beside the softmax), then o_proj's input made (b, s, a, d_v) beside bmm's output, each with the attention's
-    locals (q_b_proj's (q_proj's) output, which q_pass views; kv_a_proj_with_mqa's, which compressed_kv holds; RoPE's
-    q_rot and k_rot; kv_b_proj's output where V is matmul's copy) and the kept tensors made by then; the second makes
-    those after the softmax (the weights cast back, dropout's, V's copy, o_proj's input), wide values' moment."""
+    """The core's two forward moments: its fp32 softmax (Llama's, hf_layer.core_forward: the masked scores and their
+    fp32 cast beside the softmax), then o_proj's input made (b, s, a, d_v) beside bmm's output, each with the
+    attention's locals (q_b_proj's (q_proj's) output, which q_pass views; kv_a_proj_with_mqa's, which compressed_kv
+    holds; RoPE's q_rot and k_rot; kv_b_proj's output where V is matmul's copy) and the kept tensors made by then; the
+    second makes those after the softmax (the weights cast back, dropout's, V's copy, o_proj's input), wide values'
+    moment."""
     a, dn, dr, dv = z.a_t, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
     sc, cast = z.act * z.b * a * z.s * z.s, z.act != 4
     copied = ledger.MLA_V.name in saved

@@ -13,9 +13,8 @@ from typing import Any
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
-from memcalc.model.ledger import SavedTensor
 from memcalc.model.impls import hf as rules
-from memcalc.sizing.timeline.hf_layer import RopeOps, _bmm_copies, _kept_or_local, _rope_backward, _rope_forward
+from memcalc.sizing.timeline.hf_layer import RopeOps, _rope_backward, _rope_forward
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
 
@@ -95,8 +94,8 @@ def _forward(n: str, p: str, norm: ledger.NormTensors, z: Sizes, output: Made, g
 
 
 def recorded(builder: RopeOps) -> tuple[RopeOps, list[Op]]:
-    """`builder` (hf_layer.RopeOps) and the list it appends the ops it builds to: the layer's one forward moment walks
-    RoPE's fp32 forward op by op (`forward`)."""
+    """`builder` (hf_layer.RopeOps) and the list it appends the ops it builds to: the layer's forward without a
+    checkpoint marks a moment at each of their steps (hf_layer.core_forward's `rope`)."""
     built: list[Op] = []
 
     def build(*args: Any) -> tuple[Op, ...]:
@@ -105,25 +104,6 @@ def recorded(builder: RopeOps) -> tuple[RopeOps, list[Op]]:
         return ops
 
     return build, built
-
-
-def forward(p: str, z: Sizes, saved: dict[str, int], built: list[Op], eager: bool, norm: tuple[SavedTensor, ...]
-            ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """RoPE's forward op by op for the layer's one forward moment (hf_layer.layer_forward's `rope`): its fp32
-    products, sums (and Cohere's q and k cast up) are wider than the layer's end where heads are wide. Beside them the
-    attention's locals: q_proj's and k_proj's outputs, v where no kept tensor is it (`eager`: matmul's copy may be);
-    and the kept tensors made before it: `norm`'s (the first norm's, or OLMo 2's q_norm and k_norm), the attention's
-    input, V where the core keeps v itself."""
-    q, kv = z.full(z.a_t * z.d), z.full(z.g_t * z.d)
-    v = _kept_or_local(p, ledger.V, saved, "v heads", kv, eager and _bmm_copies(z, saved)[2])
-    locals_ = (Made(f"{p}/q pre-rope", q, "q_proj's output, a local"), Made(f"{p}/k pre-rope", kv, "k_proj's output,"
-                                                                             " a local"),
-               *((v,) if v.keeps is None else ()))
-    made = tuple(x.name for op in built for step in op.forward for x in step.makes if x.keeps is None)
-    ops = (Op("self_attn", (Step("the projections' outputs", locals_, moment=False),), ()),
-           *(replace(op, backward=()) for op in built),  # then its locals go: the core's moment makes its own
-           Op("self_attn", (Step("", frees=(*made, *((v.name,) if v.keeps is None else ()))),), ()))
-    return ops, frozenset((*norm, ledger.QKV_IN, *((ledger.V,) if v.keeps is not None else ())))
 
 
 def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...],
