@@ -307,12 +307,16 @@ def layer_forward(i: int, z: Sizes, kept: Step, core: tuple[Op, ...], mlp: tuple
     norm_input = () if down else (Op("", (Step("", output),), ()),)  # down_proj's output, made by its all-reduce
     closing = widest_forward((*norm_input, *post_norm), POST_NORM_MOMENTS) if post_norm else ()
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
+    # in fp32 the post-norm's no-op upcast is the tensor it keeps: under tp down_proj's all-reduced output, made
+    # before the norm's ops, which the layer's return then does not free (its backward does)
+    saved = {x.name for op in post_norm for step in op.forward for x in step.makes if x.alias}
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
         *masked, *(() if down or post_norm else output), *partial,
         Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
-               *((f"{p}/input",) if i else ()), f"{p}/mlp normed")),), backward=())
+        frees=tuple(x for x in (f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial),
+                                f"{p}/attn output", *((f"{p}/input",) if i else ()), f"{p}/mlp normed")
+                    if x not in saved)),), backward=())
     return (*core, made, *mlp, *down, *closing, out)
 
 
