@@ -9,7 +9,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import torchtitan_stages
 from memcalc.sizing.timeline import ACTIVATIONS, timelines, timeline
-from memcalc.sizing.timeline.torchtitan_pp import FSDP, _Schedule, schedule
+from memcalc.sizing.timeline.torchtitan_pp import _Schedule, schedule
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
 
@@ -143,9 +143,9 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
 ])
 def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is_keyed_on(monkeypatch, changes,
                                                                                           device, strategy):
-    """The replay is exact only if a walk changes no tensor outside the stage's `names` and FSDP2's (every tensor
-    under fsdp/, all of which its key holds): every change its trace logs (a tensor made, freed or renamed) is under
-    one of them."""
+    """The replay is exact only if a walk changes no tensor outside the stage's `names` and FSDP2's that walks
+    traced before made (`fsdp_names`, all of which its key holds): every change its trace logs (a tensor made, freed
+    or renamed) is under one of them."""
     config = make_config(LLAMA3, **({"pp": 2} | changes))
     walk, outside = _Schedule._walk, set()
 
@@ -153,7 +153,7 @@ def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is
         self.walked.clear()  # every micro-batch walked, none replayed
         done = walk(self, what, segments, backward, before)
         logged = {x if isinstance(x, str) else x.name for x in done.trace.log}
-        outside.update(x for x in logged - set(self.names) if not x.startswith(FSDP))
+        outside.update(logged - set(self.names) - set(self.fsdp_names))
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
     timelines(config, STRATEGIES[strategy], Accounting(exact=True, device=device))
