@@ -24,7 +24,10 @@ int64 token counts, and the routed slots (r, the ledger's bound) exchanged over
 the ep ranks of the expert-parallel group, gathered and reduce-scattered over t.
 transformers' experts sum the ranks' partial outputs instead (`_summed_experts`),
 and megatron-core's latent attention gives each projection its own collectives,
-moving its latent's width (`_latent`).
+moving its latent's width (`_latent`); torchtitan's is a pair like any, entered
+once at x, which its plan gathers and its colwise up projections keep (its down
+projections and latent norms are replicated: their weights' partial gradients
+are left to FSDP, as the SP norms' are).
 
 Bytes one rank sends under the ring algorithm, for a tensor of n bytes over a
 group of t ranks: all-reduce 2(t-1)/t * n, all-gather and reduce-scatter
@@ -167,15 +170,14 @@ def layer_collectives(
                           " there, whose collectives are not measured (tp-sp, ep = t is)")
     if knobs.mla and overlap:
         raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: tp_comm_overlap with latent attention is not modelled")
-    if knobs.mla and impl.name == "torchtitan":  # its down projections are replicated: no megatron-core module's
-        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: the collectives of torchtitan's latent attention are not"
-                          " modelled yet (its saved tensors are)")
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
-    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION else
+    # megatron-core's latent attention enters at each projection (`_latent`); torchtitan's plan gathers x once at the
+    # attention's entry, kept by its colwise up projections: a pair like any
+    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and style is Style.COLWISE else
               _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
-              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
+              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p, style in pairs.items()]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]

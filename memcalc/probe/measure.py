@@ -397,8 +397,8 @@ def _compared(
 
 
 def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) -> bool:
-    """Whether a library layer's collectives can be compared with the ledger: it models them (not latent
-    the allgather dispatcher's, not transformers' ep plan, not uneven all-to-alls) and their bytes do not hang on the
+    """Whether a library layer's collectives can be compared with the ledger: it models them (not the
+    allgather dispatcher's, not transformers' ep plan, not uneven all-to-alls) and their bytes do not hang on the
     routing (`routing_fixed`)."""
     try:
         layer_collectives(config, strategy, ep=config.ep)

@@ -96,12 +96,16 @@ def test_comm_refuses_overlap_with_latent_attention_naming_kv_lora_rank():
         layer_collectives(_knobs(MLA), STRATEGIES["tp-sp"], frozenset({"ring-ag"}), t=2)
 
 
-def test_comm_refuses_torchtitans_latent_attention_whose_collectives_are_not_modelled():
+def test_comm_enters_torchtitans_latent_attention_once_at_x_and_leaves_it_at_wo():
+    """Its plan gathers x at the attention's entry, kept by the colwise up projections; the down projections are
+    replicated: no collective of their own (measured: tests/probe/libs/test_library_comm.py)."""
     from memcalc.model.comm import layer_collectives
 
     knobs = _knobs(MLA | {"impl": "torchtitan", "recompute": "none", "mlp": "swiglu", "attention": "flash"})
-    with pytest.raises(ConfigError, match="^kv_lora_rank=24: the collectives of torchtitan's latent attention"):
-        layer_collectives(knobs, STRATEGIES["tp-sp"], t=2)
+    rows = [f"{c.name} {c.op.value} {c.phase}" for c in layer_collectives(knobs, STRATEGIES["tp-sp"], t=2)
+            if c.name.startswith("attention")]
+    assert rows == ["attention/g all-gather forward", "attention/g* reduce-scatter forward",
+                    "attention/g* all-gather backward", "attention/g reduce-scatter backward"]
 
 
 def test_without_a_query_latent_the_query_keeps_no_norm_and_no_up_projection_input():

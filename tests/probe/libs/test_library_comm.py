@@ -68,11 +68,15 @@ def _rows(config, strategy):
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "h": 64, "a": 4, "num_query_groups": 2}
 SHARED = MOE | {"moe_shared_expert_intermediate_size": 32}
+# DeepSeek-V3's latent attention (DeepSeekV3TransformerBlock's own): heads of d_n + d_r = 8 + 4, values of d_v = 12
+LATENT = {"num_query_groups": None, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12}
+Q_LATENT = LATENT | {"q_lora_rank": 16}
 
 
 @pytest.mark.parametrize("recompute", ["none", "op", "full"])
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
-@pytest.mark.parametrize("block", [{}, MOE, SHARED], ids=["dense", "experts", "shared experts too"])
+@pytest.mark.parametrize("block", [{}, MOE, SHARED, SHARED | Q_LATENT],
+                         ids=["dense", "experts", "shared experts too", "deepseek-v3: latent attention, experts"])
 def test_torchtitans_block_issues_the_ledgers_collectives_in_order(block, strategy, recompute):
     """Its MoE at ep = 1 enters like a dense block; the experts' and the shared experts' outputs leave summed under
     tp, each through its own reduce-scatter under tp-sp, and then the rerun starts after the first one's gather."""
@@ -80,6 +84,27 @@ def test_torchtitans_block_issues_the_ledgers_collectives_in_order(block, strate
     config = build_config(TORCHTITAN | block | {"t": 2, "recompute": recompute})
     rows = _rows(config, strategy)
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+LATENT_LAYOUTS = {  # s odd where the layout lets it (SP splits s by t)
+    "tp t=2, b=2, s=5": ("tp", {"t": 2, "b": 2, "s": 5}),
+    "tp t=4, b=1, s=9": ("tp", {"t": 4, "b": 1, "s": 9}),
+    "tp-sp t=2, b=1, s=12": ("tp-sp", {"t": 2, "b": 1, "s": 12}),
+    "tp-sp t=4, b=2, s=12": ("tp-sp", {"t": 4, "b": 2, "s": 12}),
+}
+
+
+@pytest.mark.parametrize("strategy, layout", LATENT_LAYOUTS.values(), ids=LATENT_LAYOUTS.keys())
+@pytest.mark.parametrize("query", [LATENT, Q_LATENT], ids=["no query latent", "a query latent"])
+def test_torchtitans_latent_attention_enters_once_at_x_and_leaves_at_wo(query, strategy, layout):
+    """DeepSeek-V3's Attention under its plan: x gathered at its entry (one f or g), kept by wq (or wq_b) and wkv_b;
+    wq_a, wkv_a and the latents' norms replicated, issuing nothing; wo leaves through f* or g*."""
+    pytest.importorskip("torchtitan")
+    config = build_config(TORCHTITAN | query | layout | {"a": 8, "recompute": "none"})
+    rows = _rows(config, strategy)
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert [r.name for r in rows if r.name.startswith("attention")] == ["attention/f*", "attention/f"] \
+        if strategy == "tp" else ["attention/g", "attention/g*", "attention/g*", "attention/g"]
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -151,7 +176,8 @@ def test_transformers_expert_parallel_plan_is_refused_naming_ep():
 
 
 @pytest.mark.parametrize("recompute", ["none", "op", "full"])
-@pytest.mark.parametrize("block", [MOE, SHARED], ids=["experts", "shared experts too"])
+@pytest.mark.parametrize("block", [MOE, SHARED, SHARED | LATENT],
+                         ids=["experts", "shared experts too", "deepseek-v3: after latent attention"])
 @pytest.mark.parametrize("t", [2, 4])
 def test_torchtitans_moe_at_ep_t_exchanges_each_ranks_own_slots_in_order(t, block, recompute):
     """ep = t under tp-sp: each rank routes its own sequence shard, the counts and the slots exchanged over ep by
