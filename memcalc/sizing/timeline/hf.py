@@ -552,7 +552,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
                     *(("grad/embedding (lookup)",) if rows and not tied else ()))),
     )
     copied = Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the weight's"
-                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer, or tied to lm_head's gradient")
+                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer, or (tied) to lm_head's gradient")
     if rows and not tied:
         out += (Step("this rank's rows of the embedding's gradient", (
             Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
