@@ -107,7 +107,9 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest))
         shims = (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
                  *(notes(config.impl, pp_step=True) if config.pp > 1 else ()),
-                 *(notes(config.impl, zero_step=True) if config.zero_stage is not None else ()))
+                 *(notes(config.impl, zero_step=True) if config.zero_stage is not None else ()),
+                 *(notes(config.impl, tp_step=True) if r.strategy.tensor_parallel and config.t > 1
+                   and config.dp_shard is None and config.zero_stage is None else ()))
         print_outcome(f"{r.model}, {r.how()}", shims, r.matches, f"the peak and every category within {tolerance:.0%}")
 
 

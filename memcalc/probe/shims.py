@@ -39,6 +39,7 @@ class Shim:
     cuda_step: bool = False  # only where `measure --step --device cuda` runs the CPU as CUDA runs
     pp_step: bool = False  # only where `measure --step` runs a pipeline stage (pp > 1)
     zero_step: bool = False  # only where `measure --step` runs DeepSpeed's ZeRO engine (--zero-stage)
+    tp_step: bool = False  # only where `measure --step` loads transformers' model over tp ranks (hf_tp.loaded)
     buffers: bool = False  # only where the probe builds megatron's DistributedDataParallel (megatron_ddp)
 
     def note(self) -> str:
@@ -176,6 +177,14 @@ SHIMS: tuple[Shim, ...] = (
          "DeepSeek-V3's router weight and bias stay fp32, and the experts' and router's weights get the model's"
          " normal(0, initializer_range)",
          "the layer is built alone: as from_pretrained loads it and _init_weights fills it", Kind.BUILT),
+    Shim("hf", "DtensorShardOperation.shard_tensor (tp step)",
+         "under tp each rank's shard read from the checkpoint is copied out of the whole weight",
+         "on a CPU a Shard(0) slice of the loaded weight stays a view of it (.to('cpu') copies nothing); CUDA's"
+         " .to(device) copies the shard alone", Kind.EMULATION, tp_step=True),
+    Shim("hf", "transformers.integrations.accelerate.is_accelerate_available (tp step)",
+         "under tp from_pretrained's check that accelerate is installed passes",
+         "with one device a rank from_pretrained(distributed_config=...) runs no accelerate code", Kind.RUNS,
+         tp_step=True),
     # -- deepspeed 0.19.8 (memcalc.probe.libs.hf_shim, for hf_zero) --
     Shim("hf", "deepspeed.comm.torch.build_shm_op (--zero-stage)",
          "DeepSpeed's comm backend starts without its shared-memory all-reduce op, which its CPU accelerator would"
@@ -185,12 +194,14 @@ SHIMS: tuple[Shim, ...] = (
 )
 
 
-def notes(library: str, cuda_step: bool = False, pp_step: bool = False, zero_step: bool = False) -> tuple[str, ...]:
+def notes(library: str, cuda_step: bool = False, pp_step: bool = False, zero_step: bool = False,
+          tp_step: bool = False) -> tuple[str, ...]:
     """The `shim:` lines `memcalc measure --impl <library>` prints, every change but the --route ones, which it
     prints with their route; with `cuda_step`, those `measure --step --device cuda` adds; with `pp_step`, those a
-    pipeline stage's `measure --step` adds; with `zero_step`, those a ZeRO step's adds."""
+    pipeline stage's `measure --step` adds; with `zero_step`, those a ZeRO step's adds; with `tp_step`, those a
+    step over tp ranks adds."""
     return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step
-                 and s.pp_step == pp_step and s.zero_step == zero_step and not s.buffers)
+                 and s.pp_step == pp_step and s.zero_step == zero_step and s.tp_step == tp_step and not s.buffers)
 
 
 @contextmanager

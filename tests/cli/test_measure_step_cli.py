@@ -70,7 +70,8 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan", "--dp-shard", "2", "--strategy", "tp"],
      "the step timeline for impl torchtitan does not model dp_shard with tp"),
-    (["--impl", "hf", "--t", "2"], "the step timeline for impl hf does not model tied embeddings under tp"),
+    (["--impl", "hf", "--t", "2", "--dp-shard", "2"],
+     "the step timeline for impl hf does not model tied embeddings under tp with dp_shard or zero_stage"),
     (["--impl", "hf", "--zero-stage", "3"], "--step does not compare DeepSpeed's ZeRO-3 step"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):

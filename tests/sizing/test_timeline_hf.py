@@ -136,8 +136,18 @@ def test_under_tp_the_loss_sees_every_logit_and_the_embedding_gradient_is_the_wh
     assert live["grad/embedding (.grad)"] == 2 * live["grad/embedding (rows)"] == 2 * config.vocab_size * config.h
 
 
+def test_under_tp_a_tied_weights_gradient_is_this_ranks_rows_of_the_lookups_summed_with_lm_heads():
+    """from_pretrained ties lm_head.weight to the embedding's Shard(0) DTensor after laying both out; DTensor adds the
+    lookup's Replicate (v, h) gradient to lm_head's Shard(0) one by copying this rank's rows out first."""
+    config, tp = _timeline(TP, t=2, tie_embeddings=True)
+    summed = next(m for m in tp.moments if m.what == "the tied weight's two gradients summed")
+    live = {x.name: x.bytes for x in summed.live}
+    rows = 2 * config.vocab_size // config.t * config.h  # bf16
+    assert [live[f"grad/embedding ({x})"] for x in ("lookup", "lm_head", "rows", "sum")] == [2 * rows, *[rows] * 3]
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"t": 2, "tie_embeddings": True}, "tied embeddings under tp"),
+    ({"t": 2, "tie_embeddings": True, "dp_shard": 2}, "tied embeddings under tp with dp_shard or zero_stage"),
     ({"t": 4, "num_query_groups": 4}, "vocab_size=250 that t=4 does not divide"),
 ])
 def test_what_the_hf_walk_does_not_model_under_tp_is_refused_by_name(changes, named):

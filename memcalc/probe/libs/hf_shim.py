@@ -1,4 +1,5 @@
-"""What transformers' layers need to keep on a CPU what they keep on CUDA (dropout), and a forced router.
+"""What transformers' layers need to keep on a CPU what they keep on CUDA (dropout, a tp model's loaded shards),
+and a forced router.
 
 Why each patch, and how a forced route assigns the experts: docs/probe.md, "Dropout and forced routing
 (hf_shim)".
@@ -100,3 +101,21 @@ def without_shm_comm_op() -> ContextManager[None]:
     minute on a fresh machine): only inference_all_reduce calls it, so ZeRO's step never makes or holds its tensors."""
     comm = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch (import *)
     return patched(comm, build_shm_op=lambda: None)
+
+
+@contextmanager
+def cuda_like_loading() -> Iterator[None]:
+    """While inside, from_pretrained(distributed_config=...) loads on a CPU what it loads on CUDA: each rank's shard is
+    copied out of the checkpoint's weight (on a CPU a Shard(0) slice stays a view of the whole, as .to('cpu') copies
+    nothing; CUDA's .to(device) copies the shard alone), and its check that accelerate is installed passes (with one
+    device a rank it runs no accelerate code)."""
+    sharding = importlib.import_module("transformers.distributed.sharding_utils").DtensorShardOperation
+    shard_tensor = sharding.shard_tensor
+
+    def copied(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shard = shard_tensor(self, *args, **kwargs)
+        return None if shard is None else shard.clone()
+
+    accelerate = importlib.import_module("transformers.integrations.accelerate")
+    with patched(sharding, shard_tensor=copied), patched(accelerate, is_accelerate_available=lambda: True):
+        yield

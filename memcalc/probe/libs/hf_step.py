@@ -36,20 +36,19 @@ def measure_hf_step_on_rank(
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> Trainer:
     """transformers' LlamaForCausalLM (with experts MixtralForCausalLM or Qwen2MoeForCausalLM, the router forced to
     `route`) in training mode with memcalc's trainer, stepped once."""
-    model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
-    if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
-        hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
+    model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device, tp.size)
     checkpointed(model, config)
     return Trainer.around(config, model, loss)
 
 
-def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device: torch.device
+def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device: torch.device, t: int = 1
               ) -> tuple[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The family's causal-LM model (one the step timeline walks: timeline.hf.WALKED refuses the rest before) in
     `dtype`, in training mode, `use_cache` off as transformers' Trainer sets it (TrainingArguments.use_cache: False);
     and its loss, (tokens, labels) -> transformers' own, dropout keeping CUDA's bool mask while forward runs; the
     router forced to `route` for the model's life (a gradient checkpoint reruns it inside backward). The output object
-    (and the bf16 logits in it) goes as the loss returns."""
+    (and the bf16 logits in it) goes as the loss returns. Over t > 1 ranks the built model is saved and loaded for this
+    rank as from_pretrained(distributed_config=...) loads a checkpoint (`hf_tp.loaded`), the way users run tp."""
     family = layer_family(config).name
     check_route(config, route)
     hf_config = transformers_config(config, family)
@@ -58,6 +57,8 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
         hf_config.topk_group = hf_config.n_group  # (the eager loop's counts kbs/E; the choice itself saves nothing)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=dtype)
+    if t > 1:
+        model = hf_tp.loaded(model, dtype, t)
     k = config.moe_router_topk if config.moe else 0
 
     force_routes(model, family, route, k)  # in forward and in a gradient checkpoint's rerun alike

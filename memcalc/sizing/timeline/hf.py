@@ -328,9 +328,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
-        (tp and config.tie_embeddings,
-         "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
-         " named_parameters(), which names a tied weight once: KeyError)"),
+        (tp and sharded and config.tie_embeddings,
+         "tied embeddings under tp with dp_shard or zero_stage (unmeasured: the probe loads a tied model over tp as"
+         " from_pretrained does, unsharded)"),
         # transformers has no pipeline schedule: its config's base_model_pp_plan only names each stage's inputs and
         # outputs (read by torchtitan's experimental transformers backend), its Trainer never pipelines, and
         # accelerate's prepare_pippy splits a model for inference only
@@ -541,27 +541,29 @@ def scaled_embedding(config: ModelConfig) -> bool:
 def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) -> tuple[Step, ...]:
     """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's. Under tp it is the
     whole (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient): without FSDP2 the weight's .grad, of
-    which this rank's rows are copied out (under FSDP2 its post-backward lays it out, memcalc.sizing.timeline.fsdp)."""
+    which this rank's rows are copied out (under FSDP2 its post-backward lays it out, memcalc.sizing.timeline.fsdp);
+    tied, the rows are copied out first, as DTensor adds them to lm_head's Shard(0) gradient: the sum is the rows."""
     table, tied = z.act * config.vocab_size * z.h, config.tie_embeddings
     rows = tp and not sharded
     out = (
         Step("the embedding's gradient", (Made("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16"
                                                " gradient"),),
              frees=("grad/embedding (scaled)" if scaled_embedding(config) else "grad/embedding output",
-                    *(("grad/embedding (lookup)",) if rows else ()))),
+                    *(("grad/embedding (lookup)",) if rows and not tied else ()))),
     )
-    if rows:
+    copied = Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the weight's"
+                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer, or (tied) to lm_head's gradient")
+    if rows and not tied:
         out += (Step("this rank's rows of the embedding's gradient", (
             Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
-            Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the weight's"
-                 " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
-            frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
+            copied), frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
-        out += (torch_ops.tied_sum(table),)
-    handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
+        out += (*((Step("this rank's rows of the lookup's gradient", (copied,), moment=False),) if rows else ()),
+                torch_ops.tied_sum(z.weight(z.ends.word) if rows else table))
+    handed = ("grad/embedding (sum)",) if tied else () if rows else ("grad/embedding (lookup)",)
     # a tied weight's two gradients go as autograd sums them, before its accumulator runs (ZeRO's reduction there)
-    summands = tuple(x for x in ("grad/embedding (lookup)", "grad/embedding (lm_head)") if x not in handed)
-    return out + (Step("", frees=summands, hands_over=handed),)
+    summands = ("grad/embedding (lookup)", "grad/embedding (lm_head)", *((copied.name,) if rows and tied else ()))
+    return out + (Step("", frees=tuple(x for x in summands if x not in handed), hands_over=handed),)
 
 
 def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -159,7 +159,7 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, a
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"tie_embeddings": True}, "tied embeddings under tp"),
+    ({"tie_embeddings": True, "dp_shard": 2}, "tied embeddings under tp with dp_shard or zero_stage"),
     ({"t": 4, "num_query_groups": 4}, "vocab_size=250 that t=4 does not divide"),
 ])
 def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named):
@@ -729,6 +729,29 @@ def test_gemma_2s_final_logit_softcapping_keeps_tanhs_output_and_the_step_is_mem
                                                                                                      changes):
     r = _exact_step(make_config(LLAMA, attention="eager", **changes), "none")  # the division, tanh, the product
     assert r.model.startswith("transformers' Gemma2ForCausalLM")
+
+
+# tied under tp, the model loaded as users load it (from_pretrained(distributed_config=...), hf_tp.loaded): one
+# Shard(0) weight at both ends; DTensor adds this rank's rows of the lookup's (v, h) gradient to lm_head's
+TIED = {"tie_embeddings": True}
+TIED_TP_STEPS = [
+    ("llama", "eager", TIED | {"t": 2, "b": 1, "s": 4, "vocab_size": 3000}),  # the rows summed: the peak
+    ("llama", "flash", TIED | {"t": 4, "b": 2, "s": 5, "num_query_groups": 4, "vocab_size": 3000, "dtype": "fp32"}),
+    ("llama", "flash", TIED | {"t": 2, "b": 2, "s": 7}),  # the loss's backward
+    ("llama", "eager", TIED | {"t": 4, "b": 1, "s": 9, "num_query_groups": 4, "vocab_size": 252, "dtype": "fp32"}),
+    ("qwen2", "eager", QWEN2 | TIED | {"t": 2, "b": 1, "s": 5, "vocab_size": 3000}),
+    ("qwen2", "flash", QWEN2 | TIED | {"t": 4, "b": 2, "s": 7, "num_query_groups": 4, "vocab_size": 252,
+                                       "dtype": "fp32"}),
+    ("gemma", "flash", GEMMA | TIED | {"t": 2, "b": 1, "s": 5, "vocab_size": 3000}),  # the scaled lookup's gradient
+    ("gemma", "eager", GEMMA | TIED | {"t": 4, "b": 2, "s": 7, "num_query_groups": 4, "vocab_size": 252,
+                                       "dtype": "fp32"}),
+]
+
+
+@pytest.mark.parametrize("family, attention, changes", TIED_TP_STEPS, ids=str)
+def test_under_tp_a_tied_models_one_shard_takes_both_gradients_and_the_step_is_memtrackers(one_thread, family,
+                                                                                          attention, changes):
+    _exact_step(make_config(LLAMA, attention=attention, **changes), "tp")
 
 
 def test_the_families_sizes_put_the_peak_in_different_places():
