@@ -135,17 +135,20 @@ class Moments(Sequence[Moment]):
     __hash__ = None  # type: ignore[assignment]  # a list's: moments are added
 
     def peak(self) -> Moment:
-        """The moment with the most bytes live (the first, on a tie): each run finds its own peak (a replayed run's is
-        its trace's, no moment made), and the first run whose peak is highest gives it."""
-        return max((x.peak() for x in self.runs), key=operator.attrgetter("bytes"))
+        """The moment with the most bytes live (the first, on a tie): each run finds its own peak's bytes and index (a
+        replayed run's from its trace's, no moment made), and the first run whose peak is highest gives the one moment
+        made (a pipeline's stage has a run for each walk replayed, thousands)."""
+        _, at, run = max(((*x.peak_at(), x) for x in self.runs), key=operator.itemgetter(0))
+        return run[at]
 
 
 class _Marked(list[Moment]):
     """Moments marked one by one."""
 
-    def peak(self) -> Moment:
-        """The first of these moments with the most bytes (max keeps the first of equals)."""
-        return max(self, key=operator.attrgetter("bytes"))
+    def peak_at(self) -> tuple[int, int]:
+        """The bytes of the first of these moments with the most, and its index (index finds the first of equals)."""
+        sums = [x.bytes for x in self]
+        return max(sums), sums.index(max(sums))
 
 
 @dataclass(slots=True)
@@ -174,9 +177,10 @@ class _Replayed:
         at = map(operator.add, repeat(self.at), trace.at)
         return map(Moment, *trace.moments, zip(*columns), repeat(self.log), at)
 
-    def peak(self) -> Moment:
-        """The traced walk's peak, done again: each moment's totals are the trace's plus the same `before`."""
-        return self[self.trace.peak]
+    def peak_at(self) -> tuple[int, int]:
+        """The traced walk's peak, done again: its bytes, the trace's rise above `before`'s (each moment's totals are
+        the trace's plus the same `before`), and its index."""
+        return sum(self.before) + self.trace.rise, self.trace.peak
 
 
 @dataclass(frozen=True)
@@ -358,10 +362,12 @@ class Tape:
         gone = {x for x in changes if type(x) is str and x in names}  # each tensor live before that went
         marked = self.moments[moments:]
         columns = zip(*(_less(x.totals, before) for x in marked)) if marked else ((),) * len(CATEGORIES)
+        peak = _first_peak(marked)
         return Trace(tuple(changes), tuple(gone), tuple(left.values()),
                      tuple(tuple(getattr(x, name) for x in marked) for name in ("phase", "where", "what")),
                      tuple(x if any(x) else None for x in columns), tuple(x.at - at for x in marked),
-                     _less(tuple(live.totals.values()), before), _first_peak(marked))
+                     _less(tuple(live.totals.values()), before), peak,
+                     sum(_less(marked[peak].totals, before)) if marked else 0)
 
     def replay(self, trace: Trace) -> None:
         """What a traced walk did, done again, where it would do the same (the same ops, the same tensors live under
@@ -382,7 +388,8 @@ class Trace(NamedTuple):
     """What a walk did to a tape: its changes to the live tensors (the log's entries; in sum, the tensors live before
     that went, `gone`, and those it left live, in the order the tape holds them, `left`), its moments (their phases,
     wheres and whats; for each category their totals less the one before the walk, None where none changed; how many
-    changes came before each), its change to the totals, and which of its moments peaks (the first, on a tie)."""
+    changes came before each), its change to the totals, which of its moments peaks (the first, on a tie) and its
+    bytes less those before the walk."""
 
     log: tuple[Live | str, ...]
     gone: tuple[str, ...]
@@ -392,6 +399,7 @@ class Trace(NamedTuple):
     at: tuple[int, ...]
     totals: tuple[int, ...]
     peak: int
+    rise: int
 
 
 def _first_peak(moments: tuple[Moment, ...]) -> int:
