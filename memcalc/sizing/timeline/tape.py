@@ -10,11 +10,11 @@ import functools
 import gc
 import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod as prod  # the walks' element counts, imported from here
-from typing import NamedTuple, overload
+from typing import NamedTuple, TypeVar, overload
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -99,10 +99,11 @@ class Moments(Sequence[Moment]):
             self._add(self.marking)
         self.marking.append(Moment(phase, where, what, totals, self.log, len(self.log)))
 
-    def replay(self, trace: Trace, before: tuple[int, ...], at: int) -> None:
-        """The moments of a traced walk, done again on top of the totals `before`, `at` changes into the log."""
+    def replay(self, trace: Trace, before: tuple[int, ...], at: int, wheres: tuple[str, ...]) -> None:
+        """The moments of a traced walk, done again on top of the totals `before`, `at` changes into the log, at
+        `wheres` (the trace's, or moved)."""
         if trace.at:
-            self._add(_Replayed(trace, before, at, self.log))
+            self._add(_Replayed(trace, before, at, self.log, (trace.moments[0], wheres, trace.moments[2])))
 
     def _add(self, run: _Marked | _Replayed) -> None:
         self.starts.append(len(self))
@@ -153,13 +154,14 @@ class _Marked(list[Moment]):
 
 @dataclass(slots=True)
 class _Replayed:
-    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log` (slotted,
-    not frozen, as `Moment`: a run for each walk replayed)."""
+    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log`, their
+    phases, wheres and whats `moments` (slotted, not frozen, as `Moment`: a run for each walk replayed)."""
 
     trace: Trace
     before: tuple[int, ...]
     at: int
     log: list[Live | str]
+    moments: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
     def __len__(self) -> int:
         return len(self.trace.at)
@@ -167,7 +169,7 @@ class _Replayed:
     def __getitem__(self, i: int) -> Moment:
         trace = self.trace
         totals = tuple(x if change is None else x + change[i] for x, change in zip(self.before, trace.changes))
-        return Moment(*(x[i] for x in trace.moments), totals, self.log, self.at + trace.at[i])
+        return Moment(*(x[i] for x in self.moments), totals, self.log, self.at + trace.at[i])
 
     def __iter__(self) -> Iterator[Moment]:
         # each moment's totals a tuple zip makes of the categories' columns (one the walk left alone repeats its total)
@@ -175,7 +177,7 @@ class _Replayed:
         columns = (repeat(x) if change is None else map(operator.add, repeat(x), change)
                    for x, change in zip(self.before, trace.changes))
         at = map(operator.add, repeat(self.at), trace.at)
-        return map(Moment, *trace.moments, zip(*columns), repeat(self.log), at)
+        return map(Moment, *self.moments, zip(*columns), repeat(self.log), at)
 
     def peak_at(self) -> tuple[int, int]:
         """The traced walk's peak, done again: its bytes, the trace's rise above `before`'s (each moment's totals are
@@ -369,9 +371,11 @@ class Tape:
                      _less(tuple(live.totals.values()), before), peak,
                      sum(_less(marked[peak].totals, before)) if marked else 0)
 
-    def replay(self, trace: Trace) -> None:
+    def replay(self, trace: Trace, moved: tuple[str, str] | None = None) -> None:
         """What a traced walk did, done again, where it would do the same (the same ops, the same tensors live under
-        every name they touch): its changes to the live tensors, and its moments, on top of those live now."""
+        every name they touch): its changes to the live tensors, and its moments, on top of those live now. `moved`:
+        the module the walk was traced in and the one it is done in now, where its moments (each in the first or a
+        module below it) are read instead."""
         live, log = self.live, self.live.log
         at, before = len(log), tuple(live.totals.values())
         for name in trace.gone:  # as _Live's own pop and set, without a log entry: the trace's are added after
@@ -381,7 +385,8 @@ class Tape:
         log += trace.log
         for category, change in zip(CATEGORIES, trace.totals):
             live.totals[category] += change
-        self.moments.replay(trace, before, at)
+        wheres = trace.moments[1] if moved is None else tuple(_moved(x, *moved) for x in trace.moments[1])
+        self.moments.replay(trace, before, at, wheres)
 
 
 class Trace(NamedTuple):
@@ -400,6 +405,41 @@ class Trace(NamedTuple):
     totals: tuple[int, ...]
     peak: int
     rise: int
+
+
+def _moved(where: str, old: str, new: str) -> str:
+    """`where`, module `old` or a module below it, at `new` instead (layers.0.mlp.fc2 -> layers.3.mlp.fc2)."""
+    if where != old and not where.startswith(old + "."):
+        raise AssertionError(f"{where} is not in {old}: its walk cannot move to {new}")
+    return new + where[len(old):]
+
+
+R = TypeVar("R")
+
+
+class Replays:
+    """Walks done once and replayed (`Tape.replay`) wherever they would do the same: a walk `run` under a `kind` of
+    ops that reads and writes the tape only under its `names`, and finds the same tensors live under them (a Live
+    names itself) as one done before under that kind, makes the same changes and the same moments on top of the
+    totals now, and returns what that one returned. So a model's layers, whose ops name their tensors alike, are walked
+    once each kind (Megatron's walk of DeepSeek-V3 made and freed each of 61 layers' 256 experts' tensors one by one,
+    a third of a second); each moment is read in the module its replay runs in (`module`), the same below it."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.done: dict[tuple[Hashable, tuple[Live, ...]], tuple[Trace, str, object]] = {}
+
+    def run(self, kind: Hashable, names: tuple[str, ...], module: str, walk: Callable[[], R]) -> R:
+        """`walk`'s result, walked (and traced) or replayed; its moments in `module` or below it."""
+        found = (kind, tuple(filter(None, map(self.tape.live.get, names))))
+        if found in self.done:
+            trace, traced_in, result = self.done[found]
+            self.tape.replay(trace, (traced_in, module))
+            return result  # type: ignore[return-value]  # what the same walk returned
+        results: list[R] = []
+        trace = self.tape.traced(lambda: results.append(walk()))
+        self.done[found] = trace, module, results[0]
+        return results[0]
 
 
 def _first_peak(moments: tuple[Moment, ...]) -> int:
