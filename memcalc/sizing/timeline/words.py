@@ -36,7 +36,7 @@ def _alternative(i: int, pattern: str) -> str:
 
 # PHRASES as one pattern, compiled once: in_words reads each tensor live at a peak (on each stage of a pipeline,
 # hundreds) once, not once a phrase. Its alternatives are tried in PHRASES' order, and a fullmatch backtracks into the
-# next when one fails, so the first phrase whose pattern matches a name whole is the one found (its group closes last)
+# next when one fails, so the first phrase whose pattern matches a name whole is the one whose group matched
 _ANY_PHRASE = re.compile("|".join(_alternative(i, pattern) for i, (pattern, _) in enumerate(PHRASES)))
 
 
@@ -62,7 +62,7 @@ def in_words(moment: Moment) -> str:
     for x in moment.live:
         found = _ANY_PHRASE.fullmatch(x.name)
         if found:
-            i = int(found.lastgroup.removeprefix("phrase"))
+            i = next(i for i in range(len(PHRASES)) if found[f"phrase{i}"] is not None)
             said_of = owners.setdefault(i, [])
             owner = found.groupdict().get(f"block{i}")
             if owner not in said_of:
