@@ -3,7 +3,9 @@ not a copy of what is live, and reads back exactly what was live when it was mar
 
 import pytest
 
-from memcalc.sizing.timeline.tape import ACTIVATIONS, CATEGORIES, GRADIENTS, PARAMETERS, TEMPORARIES, Live, Tape
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, CATEGORIES, GRADIENTS, PARAMETERS, TEMPORARIES, Live, Replays, Tape,
+)
 
 
 def _tape() -> Tape:
@@ -87,6 +89,47 @@ def test_the_peak_is_the_first_moment_with_the_most_bytes_whether_marked_or_repl
     moments = tape.moments
     assert [m.bytes for m in moments] == [5, 8, 8, 11, 8, 11, 11]
     assert moments.peak().at == moments[3].at and moments.peak() == moments[3]
+
+
+def _layer(tape: Tape, module: str) -> int:
+    """A layer's walk in `module`: a moment in it and one below it; what it left live, in bytes."""
+    tape.add("t", TEMPORARIES, 5, "a temporary")
+    tape.mark("backward", module, "t made")
+    tape.add("a", ACTIVATIONS, 3, "an activation")
+    tape.mark("backward", f"{module}.mlp", "a made")
+    tape.drop("t")
+    return tape.live["a"].bytes
+
+
+def test_a_walk_replayed_in_another_module_makes_what_walking_it_there_would_and_returns_the_same():
+    replayed, walked = Tape(), Tape()
+    replays = Replays(replayed)
+    for i in range(3):
+        module = f"layers.{i}"
+        assert replays.run("layer", ("t", "a"), module, lambda: _layer(replayed, module)) == _layer(walked, module)
+        for tape in (replayed, walked):
+            tape.rename("a", f"{module}/a")
+    assert len(replays.done) == 1  # walked once, replayed twice
+    assert tuple(replayed.moments) == tuple(walked.moments)
+    assert [m.where for m in replayed.moments] == ["layers.0", "layers.0.mlp", "layers.1", "layers.1.mlp", "layers.2",
+                                                   "layers.2.mlp"]
+    assert replayed.live.log == walked.live.log and replayed.moments.peak() == walked.moments.peak()
+
+
+def test_a_walk_that_finds_other_tensors_under_its_names_is_walked_not_replayed():
+    tape = Tape()
+    replays = Replays(tape)
+    replays.run("layer", ("t", "a"), "layers.0", lambda: _layer(tape, "layers.0"))
+    with pytest.raises(AssertionError, match="a is live twice"):  # its "a" still live: walked again, and refused
+        replays.run("layer", ("t", "a"), "layers.1", lambda: _layer(tape, "layers.1"))
+
+
+def test_a_replayed_moment_outside_the_module_it_was_traced_in_is_refused():
+    tape = Tape()
+    trace = tape.traced(lambda: _layer(tape, "layers.1"))
+    tape.rename("a", "first/a")
+    with pytest.raises(AssertionError, match="layers.1 is not in layers.10"):  # a path, not a prefix
+        tape.replay(trace, ("layers.10", "layers.2"))
 
 
 def test_the_live_tensors_refuse_a_change_that_would_bypass_their_totals_and_log():

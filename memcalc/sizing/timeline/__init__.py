@@ -25,8 +25,8 @@ from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Moments, Sizes, Tape,
-    Timeline, bulk,
+    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Moments, Replays, Sizes,
+    Tape, Timeline, bulk,
 )
 
 __all__ = [
@@ -93,6 +93,10 @@ def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, t
              for is_dense, kind in kinds.items()}
     front, back = (Walk(tape, "", "", ends.saved, walks[False].hand_over) for _ in range(2))  # the model's ends
     front.forward(ends.inputs)
+    # every layer of a kind walks the same ops under the same names: the first walked, the others replayed
+    replays = Replays(tape)
+    names = {x: tuple(walks[x].names(kind.ops) | {*kind.folded, *(y.name for y in kind.kept)})
+             for x, kind in kinds.items()}
     for i, is_dense in zip(layers, dense):
         kind, walk = kinds[is_dense], walks[is_dense]
         walk.module = f"layers.{i}"
@@ -100,10 +104,7 @@ def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, t
             megatron_mla.beside_the_ledger(tape, config, z, i, first)
         if kind.config.moe:
             megatron_moe.beside_the_ledger(tape, config, z)
-        walk.forward(kind.ops)
-        # its saved tensors one term until its backward (a moment's cost grows with the tensors live, and every
-        # layer's have the same names); its output is the next layer's input
-        held = sum(tape.live.pop(name).bytes for name in kind.folded)
+        held = replays.run(("forward", is_dense), names[is_dense], walk.module, lambda: kind.forward(walk))
         tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
         tape.rename(OUTPUT, INPUT)
         if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term
@@ -114,11 +115,9 @@ def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, t
     back.backward(ends.outputs)
     for i, is_dense in reversed(list(zip(layers, dense))):
         kind, walk = kinds[is_dense], walks[is_dense]
-        tape.drop(f"layers.{i}/saved")  # one by one again, as its ops free them
-        for x in kind.kept:
-            tape.add(x.name, ACTIVATIONS, kind.saved[x.name], "kept for backward (the ledger)")
+        tape.drop(f"layers.{i}/saved")
         walk.module = f"layers.{i}"
-        walk.backward(kind.ops)
+        replays.run(("backward", is_dense), names[is_dense], walk.module, lambda: kind.backward(walk))
         if kind.config.moe and config.recompute == "full":
             # the dispatcher's probabilities, made by the rerun with autograd on, keep its graph to the next forward,
             # and with it the checkpoint's detached input (AccumulateGrad's variable) and that input's .grad, the
@@ -169,6 +168,19 @@ class _Kind:
         ops = layer_ops(config, z, kept, again, sizes)
         _check_modelled(config, (*kept, *again), ops)
         return cls(config, kept, saved, sizes, ops)
+
+    def forward(self, walk: Walk) -> int:
+        """The layer's forward, then its saved tensors folded into one term until its backward (a moment's cost grows
+        with the tensors live, and every layer's have the same names): their bytes. Its output is the next layer's
+        input."""
+        walk.forward(self.ops)
+        return sum(walk.tape.live.pop(name).bytes for name in self.folded)
+
+    def backward(self, walk: Walk) -> None:
+        """The layer's saved tensors one by one again, as its ops free them, and its backward."""
+        for x in self.kept:
+            walk.tape.add(x.name, ACTIVATIONS, self.saved[x.name], "kept for backward (the ledger)")
+        walk.backward(self.ops)
 
     @property
     def folded(self) -> tuple[str, ...]:

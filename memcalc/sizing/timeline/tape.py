@@ -10,11 +10,11 @@ import functools
 import gc
 import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod as prod  # the walks' element counts, imported from here
-from typing import NamedTuple, overload
+from typing import NamedTuple, TypeVar, overload
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -99,10 +99,11 @@ class Moments(Sequence[Moment]):
             self._add(self.marking)
         self.marking.append(Moment(phase, where, what, totals, self.log, len(self.log)))
 
-    def replay(self, trace: Trace, before: tuple[int, ...], at: int) -> None:
-        """The moments of a traced walk, done again on top of the totals `before`, `at` changes into the log."""
+    def replay(self, trace: Trace, before: tuple[int, ...], at: int, wheres: tuple[str, ...]) -> None:
+        """The moments of a traced walk, done again on top of the totals `before`, `at` changes into the log, at
+        `wheres` (the trace's, or moved)."""
         if trace.at:
-            self._add(_Replayed(trace, before, at, self.log))
+            self._add(_Replayed(trace, before, at, self.log, (trace.moments[0], wheres, trace.moments[2])))
 
     def _add(self, run: _Marked | _Replayed) -> None:
         self.starts.append(len(self))
@@ -135,28 +136,32 @@ class Moments(Sequence[Moment]):
     __hash__ = None  # type: ignore[assignment]  # a list's: moments are added
 
     def peak(self) -> Moment:
-        """The moment with the most bytes live (the first, on a tie): each run finds its own peak (a replayed run's is
-        its trace's, no moment made), and the first run whose peak is highest gives it."""
-        return max((x.peak() for x in self.runs), key=operator.attrgetter("bytes"))
+        """The moment with the most bytes live (the first, on a tie): each run finds its own peak's bytes and index (a
+        replayed run's from its trace's, no moment made), and the first run whose peak is highest gives the one moment
+        made (a pipeline's stage has a run for each walk replayed, thousands)."""
+        _, at, run = max(((*x.peak_at(), x) for x in self.runs), key=operator.itemgetter(0))
+        return run[at]
 
 
 class _Marked(list[Moment]):
     """Moments marked one by one."""
 
-    def peak(self) -> Moment:
-        """The first of these moments with the most bytes (max keeps the first of equals)."""
-        return max(self, key=operator.attrgetter("bytes"))
+    def peak_at(self) -> tuple[int, int]:
+        """The bytes of the first of these moments with the most, and its index (index finds the first of equals)."""
+        sums = [x.bytes for x in self]
+        return max(sums), sums.index(max(sums))
 
 
 @dataclass(slots=True)
 class _Replayed:
-    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log` (slotted,
-    not frozen, as `Moment`: a run for each walk replayed)."""
+    """A traced walk's moments done again: on top of the totals `before`, `at` changes into the tape's `log`, their
+    phases, wheres and whats `moments` (slotted, not frozen, as `Moment`: a run for each walk replayed)."""
 
     trace: Trace
     before: tuple[int, ...]
     at: int
     log: list[Live | str]
+    moments: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
     def __len__(self) -> int:
         return len(self.trace.at)
@@ -164,7 +169,7 @@ class _Replayed:
     def __getitem__(self, i: int) -> Moment:
         trace = self.trace
         totals = tuple(x if change is None else x + change[i] for x, change in zip(self.before, trace.changes))
-        return Moment(*(x[i] for x in trace.moments), totals, self.log, self.at + trace.at[i])
+        return Moment(*(x[i] for x in self.moments), totals, self.log, self.at + trace.at[i])
 
     def __iter__(self) -> Iterator[Moment]:
         # each moment's totals a tuple zip makes of the categories' columns (one the walk left alone repeats its total)
@@ -172,11 +177,12 @@ class _Replayed:
         columns = (repeat(x) if change is None else map(operator.add, repeat(x), change)
                    for x, change in zip(self.before, trace.changes))
         at = map(operator.add, repeat(self.at), trace.at)
-        return map(Moment, *trace.moments, zip(*columns), repeat(self.log), at)
+        return map(Moment, *self.moments, zip(*columns), repeat(self.log), at)
 
-    def peak(self) -> Moment:
-        """The traced walk's peak, done again: each moment's totals are the trace's plus the same `before`."""
-        return self[self.trace.peak]
+    def peak_at(self) -> tuple[int, int]:
+        """The traced walk's peak, done again: its bytes, the trace's rise above `before`'s (each moment's totals are
+        the trace's plus the same `before`), and its index."""
+        return sum(self.before) + self.trace.rise, self.trace.peak
 
 
 @dataclass(frozen=True)
@@ -358,14 +364,18 @@ class Tape:
         gone = {x for x in changes if type(x) is str and x in names}  # each tensor live before that went
         marked = self.moments[moments:]
         columns = zip(*(_less(x.totals, before) for x in marked)) if marked else ((),) * len(CATEGORIES)
+        peak = _first_peak(marked)
         return Trace(tuple(changes), tuple(gone), tuple(left.values()),
                      tuple(tuple(getattr(x, name) for x in marked) for name in ("phase", "where", "what")),
                      tuple(x if any(x) else None for x in columns), tuple(x.at - at for x in marked),
-                     _less(tuple(live.totals.values()), before), _first_peak(marked))
+                     _less(tuple(live.totals.values()), before), peak,
+                     sum(_less(marked[peak].totals, before)) if marked else 0)
 
-    def replay(self, trace: Trace) -> None:
+    def replay(self, trace: Trace, moved: tuple[str, str] | None = None) -> None:
         """What a traced walk did, done again, where it would do the same (the same ops, the same tensors live under
-        every name they touch): its changes to the live tensors, and its moments, on top of those live now."""
+        every name they touch): its changes to the live tensors, and its moments, on top of those live now. `moved`:
+        the module the walk was traced in and the one it is done in now, where its moments (each in the first or a
+        module below it) are read instead."""
         live, log = self.live, self.live.log
         at, before = len(log), tuple(live.totals.values())
         for name in trace.gone:  # as _Live's own pop and set, without a log entry: the trace's are added after
@@ -375,14 +385,16 @@ class Tape:
         log += trace.log
         for category, change in zip(CATEGORIES, trace.totals):
             live.totals[category] += change
-        self.moments.replay(trace, before, at)
+        wheres = trace.moments[1] if moved is None else tuple(_moved(x, *moved) for x in trace.moments[1])
+        self.moments.replay(trace, before, at, wheres)
 
 
 class Trace(NamedTuple):
     """What a walk did to a tape: its changes to the live tensors (the log's entries; in sum, the tensors live before
     that went, `gone`, and those it left live, in the order the tape holds them, `left`), its moments (their phases,
     wheres and whats; for each category their totals less the one before the walk, None where none changed; how many
-    changes came before each), its change to the totals, and which of its moments peaks (the first, on a tie)."""
+    changes came before each), its change to the totals, which of its moments peaks (the first, on a tie) and its
+    bytes less those before the walk."""
 
     log: tuple[Live | str, ...]
     gone: tuple[str, ...]
@@ -392,6 +404,42 @@ class Trace(NamedTuple):
     at: tuple[int, ...]
     totals: tuple[int, ...]
     peak: int
+    rise: int
+
+
+def _moved(where: str, old: str, new: str) -> str:
+    """`where`, module `old` or a module below it, at `new` instead (layers.0.mlp.fc2 -> layers.3.mlp.fc2)."""
+    if where != old and not where.startswith(old + "."):
+        raise AssertionError(f"{where} is not in {old}: its walk cannot move to {new}")
+    return new + where[len(old):]
+
+
+R = TypeVar("R")
+
+
+class Replays:
+    """Walks done once and replayed (`Tape.replay`) wherever they would do the same: a walk `run` under a `kind` of
+    ops that reads and writes the tape only under its `names`, and finds the same tensors live under them (a Live
+    names itself) as one done before under that kind, makes the same changes and the same moments on top of the
+    totals now, and returns what that one returned. So a model's layers, whose ops name their tensors alike, are walked
+    once each kind (Megatron's walk of DeepSeek-V3 made and freed each of 61 layers' 256 experts' tensors one by one,
+    a third of a second); each moment is read in the module its replay runs in (`module`), the same below it."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.done: dict[tuple[Hashable, tuple[Live, ...]], tuple[Trace, str, object]] = {}
+
+    def run(self, kind: Hashable, names: tuple[str, ...], module: str, walk: Callable[[], R]) -> R:
+        """`walk`'s result, walked (and traced) or replayed; its moments in `module` or below it."""
+        found = (kind, tuple(filter(None, map(self.tape.live.get, names))))
+        if found in self.done:
+            trace, traced_in, result = self.done[found]
+            self.tape.replay(trace, (traced_in, module))
+            return result  # type: ignore[return-value]  # what the same walk returned
+        results: list[R] = []
+        trace = self.tape.traced(lambda: results.append(walk()))
+        self.done[found] = trace, module, results[0]
+        return results[0]
 
 
 def _first_peak(moments: tuple[Moment, ...]) -> int:

@@ -121,7 +121,6 @@ class Walk:
     _kept_by: dict[str, int] = field(default_factory=dict)  # saved name -> index of the first op that keeps it
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
     _input_freed: bool = False  # under a checkpoint: whether an op's backward frees the region's input by name
-    _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
     _aliases: dict[str, str] = field(default_factory=dict)  # a saved tensor's tape name -> the live tensor it is
 
     def names(self, ops: tuple[Op, ...]) -> set[str]:
@@ -139,7 +138,7 @@ class Walk:
     def copy(self) -> Walk:
         """The walk as it is now, with a state of its own (what it found and kept so far)."""
         return replace(self, _kept_by=dict(self._kept_by), _rerun_kept=set(self._rerun_kept),
-                       _releases=dict(self._releases), _aliases=dict(self._aliases))
+                       _aliases=dict(self._aliases))
 
     def forward(self, ops: tuple[Op, ...]) -> None:
         self._first_keepers(ops)
@@ -202,12 +201,9 @@ class Walk:
             self.tape.drop(*(() if self._input_freed else (self.checkpoint.holds,)), *self.checkpoint.frame)
 
     def _release(self, op: Op, i: int) -> None:
-        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
-        one walk serves every layer, and a MoE layer has thousands of ops)."""
-        if i not in self._releases:
-            names = (kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
-            self._releases[i] = tuple(self._aliases.get(x, x) for x in names)
-        self.tape.drop(*self._releases[i])
+        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
+        names = (kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
+        self.tape.drop(*(self._aliases.get(x, x) for x in names))
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
         """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the

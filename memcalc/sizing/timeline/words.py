@@ -29,6 +29,17 @@ PHRASES: tuple[tuple[str, str], ...] = (
 )
 
 
+def _alternative(i: int, pattern: str) -> str:
+    """PHRASES[i]'s pattern as the i-th alternative of `_ANY_PHRASE`: a group `phrase{i}`, its block `block{i}`."""
+    return f"(?P<phrase{i}>{pattern.replace('(?P<block>', f'(?P<block{i}>')})"
+
+
+# PHRASES as one pattern, compiled once: in_words reads each tensor live at a peak (on each stage of a pipeline,
+# hundreds) once, not once a phrase. Its alternatives are tried in PHRASES' order, and a fullmatch backtracks into the
+# next when one fails, so the first phrase whose pattern matches a name whole is the one whose group matched
+_ANY_PHRASE = re.compile("|".join(_alternative(i, pattern) for i, (pattern, _) in enumerate(PHRASES)))
+
+
 def block_words(block: str) -> str:
     """"layer 3" for layers.3; the root's modules (embedding, final norm, lm_head) as "the root"."""
     return "the root" if block == ROOT else block.replace("layers.", "layer ")
@@ -49,14 +60,13 @@ def in_words(moment: Moment) -> str:
     head = moment.phase + (f" of {block_words(block)}" if block else "")
     owners: dict[int, list[str | None]] = {}  # by its place in PHRASES, the blocks a phrase is said of, as met
     for x in moment.live:
-        for i, (pattern, _) in enumerate(PHRASES):
-            found = re.fullmatch(pattern, x.name)
-            if found:
-                said_of = owners.setdefault(i, [])
-                owner = found.groupdict().get("block")
-                if owner not in said_of:
-                    said_of.append(owner)
-                break
+        found = _ANY_PHRASE.fullmatch(x.name)
+        if found:
+            i = next(i for i in range(len(PHRASES)) if found[f"phrase{i}"] is not None)
+            said_of = owners.setdefault(i, [])
+            owner = found.groupdict().get(f"block{i}")
+            if owner not in said_of:
+                said_of.append(owner)
     said = [PHRASES[i][1].format(of=of) for i in sorted(owners) for of in _whose(owners[i], block)]
     buffers = f": {_listed(said)}" if said else ""
     return f"{head} ({moment.what}){buffers}"
