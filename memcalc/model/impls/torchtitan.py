@@ -9,7 +9,7 @@ torch's sources: docs/impl-notes/torchtitan.md, rendered into docs/impl-torchtit
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import chain, product
+from itertools import chain
 from math import prod
 from typing import Any, Callable
 
@@ -320,7 +320,7 @@ def _kind(knobs: Any) -> tuple[bool, bool, bool]:
 def _matmuls(kind: tuple[bool, bool, bool], moe: bool) -> tuple[tuple[Matmul, ...], ...]:
     """The block's matmuls (of `_kind`) in forward order, those before the attention kernel, those after it, the
     feed-forward's: as SelectiveAC counts them, torch._grouped_mm not on its list; so a MoE layer's are its shared
-    experts' alone. The MoE's router gate, whose own shape SelectiveAC forces to recompute (`_saved`), never counts."""
+    experts' alone. The MoE's router gate, whose own shape SelectiveAC forces to recompute (`_forced`), never counts."""
     mla, query_latent, shared = kind
     if moe:
         ffn = _feed_forward((ledger.SHARED_GATE, ledger.SHARED_UP, SHARED_FC2_OUT), Dim.U) if shared else ()
