@@ -422,7 +422,8 @@ def _tensor_bytes(
         condition = conditions.get(x.name)
         if condition is None:
             return one(x)
-        other = sum(one(y) for y in strategy.kept(condition.instead))
+        # another tensor in x's place is kept where its own condition says (`memcalc.model.impls.tensors_at`)
+        other = sum(term(y) if y.name != x.name else one(y) for y in strategy.kept(condition.instead))
         return np.where(condition.kept(sizes, split), one(x), other)
 
     return np.asarray(sum(term(x) for x in strategy.kept(tensors)))

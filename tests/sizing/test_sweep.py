@@ -439,12 +439,17 @@ def test_a_sweep_skips_the_points_a_librarys_own_size_checks_refuse_as_estimate_
         build_config(fields | {"t": 128})
 
 
-def test_a_torchtitan_moe_sweep_under_selective_ac_skips_a_point_where_a_matmul_has_the_gate_s_shape():
-    """u/t = E at t = 4: the shared experts' w1 has the router gate's (h, E) weight there, which estimate refuses."""
+def test_a_torchtitan_moe_sweep_under_selective_ac_shifts_its_count_where_a_matmul_has_the_gate_s_shape_as_estimate():
+    """u/t = E at (t, E) = (4, 8) and (2, 16): the shared experts' w1 and w3 have the router gate's (h, E) weight
+    there, which SelectiveAC recomputes uncounted (neither's output saved, w2's still); each row is estimate's."""
     fields = {"impl": "torchtitan", "s": 16, "h": 64, "a": 4, "ffn_hidden_size": 80, "mlp": "swiglu", "norm": "rmsnorm",
               "position_embedding_type": "rope", "add_bias_linear": False, "tie_embeddings": False,
               "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
               "moe_shared_expert_intermediate_size": 32, "recompute": "op"}
-    result = evaluate_sweep(make_sweep(fields, {"t": (1, 2, 4)}, ALL, Accounting()))
-    assert {result.row(i)["t"] for i in range(result.rows)} == {1, 2}
-    assert "w1 (and w3) at t=4 has a weight of the router gate's shape" in describe_skips(result)
+    result = evaluate_sweep(make_sweep(fields, {"t": (1, 2, 4), "num_experts": (8, 16)}, ALL, Accounting()))
+    assert result.rows == 3 * 2 * len(ALL)  # every point, none skipped
+    for i in range(result.rows):
+        row = result.row(i)
+        point = {k: row[k] for k in ("t", "num_experts")}
+        expected = estimate(build_config(fields | point), STRATEGIES[row["strategy"]])
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)

@@ -138,4 +138,11 @@ def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int
         layer_tensors(knobs, accounting)
     changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions
                if c.applies(knobs) and not c.kept(sizes, t)}
-    return tuple(y for x in kept for y in changed.get(x.name, (x,)))
+    return tuple(z for x in kept for y in changed.get(x.name, (x,)) for z in _placed(y, x, changed))
+
+
+def _placed(y: SavedTensor, x: SavedTensor, changed: dict[str, tuple[SavedTensor, ...]]) -> tuple[SavedTensor, ...]:
+    """`y`, kept in `x`'s place (or as `x`): where it is another tensor, only where its own condition keeps it, else
+    its `instead` (torchtitan's SelectiveAC, whose shifted count saves the next matmul's output only where it is
+    counted first)."""
+    return changed.get(y.name, (y,)) if y.name != x.name else (y,)

@@ -9,7 +9,9 @@ torch's sources: docs/impl-notes/torchtitan.md, rendered into docs/impl-torchtit
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from itertools import chain
+from math import prod
+from typing import Any, Callable
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
@@ -162,15 +164,14 @@ def tp_plan(knobs: Any) -> TPPlan:
 def _attention_pair(knobs: Any) -> tuple[Rule, ...]:
     """Llama3's wqkv and wo; DeepSeek-V3's (set_deepseek_v3_sharding_config) wq (or, with a query latent, wq_b) and
     wkv_b colwise, wo rowwise, the first keeping the input gathered at the attention's entry (`MLA_IN`); its down
-    projections and their norms are replicated, no rule of the plan's. SelectiveAC saves DeepSeek-V3's wo's output
-    (with a query latent, its fifth matmul) before its reduce-scatter: the whole sequence's."""
-    keeps = Style.COLWISE_KEEPS_INPUT
+    projections and their norms are replicated, no rule of the plan's. Where SelectiveAC saves wo's output
+    (DeepSeek-V3's fifth matmul with a query latent; Llama3's where wqkv is forced, `_forced`), it is the output
+    before its reduce-scatter: the whole sequence's."""
+    keeps, wo = Style.COLWISE_KEEPS_INPUT, Rule("attention.wo", Style.ROWWISE, ATTENTION, (WO_OUT.name,))
     if not knobs.mla:
-        return (Rule("attention.qkv_linear.wqkv", keeps, ATTENTION, (QKV_IN.name,)),
-                Rule("attention.wo", Style.ROWWISE, ATTENTION))
+        return Rule("attention.qkv_linear.wqkv", keeps, ATTENTION, (QKV_IN.name,)), wo
     query = "attention.wq_b" if knobs.q_lora_rank is not None else "attention.wq"
-    return (Rule(query, keeps, ATTENTION, (MLA_IN.name,)), Rule("attention.wkv_b", keeps, ATTENTION),
-            Rule("attention.wo", Style.ROWWISE, ATTENTION, (WO_OUT.name,)))
+    return Rule(query, keeps, ATTENTION, (MLA_IN.name,)), Rule("attention.wkv_b", keeps, ATTENTION), wo
 
 # -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
 # TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
@@ -265,35 +266,134 @@ def latent_attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTen
             ledger.MLA_KV_UP_OUT, ledger.SOFTMAX_LSE, ledger.MLA_PROJ_IN)
 
 
-def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
+def op_checkpoint(knobs: Any, moe: bool | None = None, at: tuple[dict[Dim, Any], int] | None = None,
+                  ) -> tuple[SavedTensor, ...]:
     """SelectiveAC's saved op outputs, and the block's input: the output of every other matmul, the first, third, ...
     of the block's in forward order (`_matmuls`; the others are recomputed), the attention kernel's, and in a MoE
     layer (`moe`, default knobs.moe) the router's topk. Llama3's block saves wqkv's, w1's and w2's outputs and
-    recomputes wo and w3; DeepSeek-V3's latent attention has four or five matmuls, which shifts the feed-forward's."""
+    recomputes wo and w3; DeepSeek-V3's latent attention has four or five matmuls, which shifts the feed-forward's.
+    `at` (the sizes by Dim, the weights' split t): the set at those sizes, where a matmul of the router gate's shape
+    shifts the count (`_saved`); without it the set where none has, each such shift a size condition
+    (`_shift_conditions`)."""
     moe = knobs.moe if moe is None else moe
-    before, after, ffn = _matmuls(knobs, moe)
-    saved = (*before, *after, *ffn)[::2]
+    before, after, ffn = _matmuls(_kind(knobs), moe)
+    block = (*before, *after, *ffn)
+    marks = _saved(_forced(block, moe, *at) if at is not None else _forced(block, False, {}, 1))
+    saved = tuple(x for (x, _), kept in zip(block, marks) if kept)
     kernel = (ledger.SOFTMAX_LSE, ledger.MLA_PROJ_IN if knobs.mla else ledger.PROJ_IN)
     router = (MOE_TOPK_VALUES, ledger.ROUTER_TOPK_INDICES) if moe else ()
     return (ledger.LAYER_INPUT, *_among(before, saved), *kernel, *_among(after, saved), *router, *_among(ffn, saved))
 
 
-def _among(outputs: tuple[SavedTensor | None, ...], saved: tuple[SavedTensor | None, ...]) -> tuple[SavedTensor, ...]:
-    """The matmul outputs of `outputs` that SelectiveAC saves (`saved`), in order."""
-    return tuple(x for x in outputs if x is not None and x in saved)
+def _among(matmuls: tuple[Matmul, ...], saved: tuple[SavedTensor | None, ...]) -> tuple[SavedTensor, ...]:
+    """The outputs of `matmuls` that SelectiveAC saves (`saved`), in order."""
+    return tuple(x for x, _ in matmuls if x is not None and x in saved)
 
 
-def _matmuls(knobs: Any, moe: bool) -> tuple[tuple[SavedTensor | None, ...], ...]:
-    """The block's matmuls' outputs in forward order, those before the attention kernel, those after it, the
-    feed-forward's: as SelectiveAC counts them, the MoE's router gate forced to recompute (its
-    force_recompute_mm_shapes_by_fqns) uncounted, torch._grouped_mm not on its list; so a MoE layer's are its shared
-    experts' alone. None for wq_b's, second whenever it runs, which no block saves."""
-    if knobs.mla and knobs.q_lora_rank is not None:
-        before: tuple[SavedTensor | None, ...] = (MLA_WQ_A_OUT, None, MLA_WKV_A_OUT, MLA_WKV_B_OUT)
+# A weight on a rank as aten.mm's second operand, (in, out), from the sizes by Dim and the weights' split t.
+Shape = Callable[[dict[Dim, Any], Any], tuple[Any, Any]]
+# A matmul of the block as SelectiveAC meets it: its output (None for wq_b's, which memcalc does not name), its weight.
+Matmul = tuple[SavedTensor | None, Shape]
+
+
+def _whole(inner: Dim, outer: Dim) -> Shape:
+    """A replicated weight's (in, out): whole on every rank."""
+    return lambda z, t: (z[inner], z[outer])
+
+
+def _colwise(inner: Dim, *outer: Dim) -> Shape:
+    """A colwise weight's (in, out): its out, the product of `outer`, split over t."""
+    return lambda z, t: (z[inner], prod((z[d] for d in outer), start=1) // t)
+
+
+def _rowwise(*inner: Dim) -> Shape:
+    """A rowwise weight's (in, out): its in, the product of `inner`, split over t; out h."""
+    return lambda z, t: (prod((z[d] for d in inner), start=1) // t, z[Dim.H])
+
+
+def _kind(knobs: Any) -> tuple[bool, bool, bool]:
+    """What decides a block's matmuls: latent attention (kv_lora_rank), its query latent, shared experts."""
+    mla = bool(knobs.mla)
+    return mla, mla and knobs.q_lora_rank is not None, bool(knobs.moe_shared_expert_intermediate_size)
+
+
+def _matmuls(kind: tuple[bool, bool, bool], moe: bool) -> tuple[tuple[Matmul, ...], ...]:
+    """The block's matmuls (of `_kind`) in forward order, those before the attention kernel, those after it, the
+    feed-forward's: as SelectiveAC counts them, torch._grouped_mm not on its list; so a MoE layer's are its shared
+    experts' alone. The MoE's router gate, whose own shape SelectiveAC forces to recompute (`_forced`), never counts."""
+    mla, query_latent, shared = kind
+    if moe:
+        ffn = _feed_forward((ledger.SHARED_GATE, ledger.SHARED_UP, SHARED_FC2_OUT), Dim.U) if shared else ()
     else:
-        before = (MLA_WQ_OUT, MLA_WKV_A_OUT, MLA_WKV_B_OUT) if knobs.mla else (QKV_OUT,)
-    shared = (ledger.SHARED_GATE, ledger.SHARED_UP, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
-    return before, (WO_OUT,), shared if moe else (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, FC2_OUT)
+        ffn = _feed_forward((ledger.SWIGLU_GATE, ledger.SWIGLU_UP, FC2_OUT), Dim.F)
+    wo = (WO_OUT, _rowwise(Dim.A, Dim.DV) if mla else _rowwise(Dim.A, Dim.D))
+    return _attention(mla, query_latent), (wo,), ffn
+
+
+def _attention(mla: bool, query_latent: bool) -> tuple[Matmul, ...]:
+    """The attention's matmuls before its kernel: Llama3's wqkv (h, (a + 2g)d/t); DeepSeek-V3's wq (h, a(d_n + d_r)/t)
+    or wq_a (h, r_q) and wq_b (r_q, a(d_n + d_r)/t), then wkv_a (h, r_kv + d_r) and wkv_b (r_kv, a(d_n + d_v)/t)."""
+    if not mla:
+        return ((QKV_OUT, _colwise(Dim.H, Dim.QKV, Dim.D)),)
+    query = ((MLA_WQ_A_OUT, _whole(Dim.H, Dim.QR)), (None, _colwise(Dim.QR, Dim.A, Dim.QK))) if query_latent else \
+        ((MLA_WQ_OUT, _colwise(Dim.H, Dim.A, Dim.QK)),)
+    return (*query, (MLA_WKV_A_OUT, _whole(Dim.H, Dim.KVD)), (MLA_WKV_B_OUT, _colwise(Dim.KVR, Dim.A, Dim.NV)))
+
+
+def _feed_forward(outputs: tuple[SavedTensor, ...], width: Dim) -> tuple[Matmul, ...]:
+    """A FeedForward's w1, w3 (colwise, (h, f/t)) and w2 (rowwise, (f/t, h)), in its forward's order; `outputs`
+    theirs, `width` its f."""
+    w1, w3, w2 = outputs
+    return (w1, _colwise(Dim.H, width)), (w3, _colwise(Dim.H, width)), (w2, _rowwise(width))
+
+
+def _forced(matmuls: tuple[Matmul, ...], moe: bool, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
+    """Whether SelectiveAC forces each matmul to recompute (numbers or arrays). In a MoE block it collects its router
+    gate's weight shape, (h, E) (force_recompute_mm_shapes_by_fqns, per block: a dense block has none), and forces
+    every mm whose second operand on the rank has it: the shared experts' w1 and w3 at u/t = E, say."""
+    if not moe:
+        return (False,) * len(matmuls)
+    shapes = (weight(sizes, t) for _, weight in matmuls)
+    return tuple((inner == sizes[Dim.H]) & (outer == sizes[Dim.E]) for inner, outer in shapes)
+
+
+def _saved(forced: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Whether SelectiveAC saves each matmul's output (numbers or arrays): a forced one (`_forced`) is recomputed and
+    left out of its count; of the others it saves the first, third, ... So a forced matmul shifts which of the later
+    ones it saves."""
+    counted, marks = 0, []
+    for one in forced:
+        free = one == 0  # counted
+        marks.append((counted % 2 == 0) & free)
+        counted = counted + free
+    return tuple(marks)
+
+
+def _shift_conditions() -> tuple[SizeCondition, ...]:
+    """SelectiveAC's shifted count in a MoE block (`_forced`) as size conditions, for each kind of block (`_kind`):
+    each matmul output it saves where nothing is forced is kept where it still saves it, else the next matmul's
+    output in its place, itself kept only where SelectiveAC saves it (of two neighbours, at most one is saved)."""
+    kinds = ((False, False), (True, False), (True, True))  # Llama3's attention, DeepSeek-V3's without and with r_q
+    return tuple(condition for mla, query_latent in kinds for shared in (False, True)
+                 for condition in _count_conditions((mla, query_latent, shared)))
+
+
+def _count_conditions(kind: tuple[bool, bool, bool]) -> tuple[SizeCondition, ...]:
+    """`_shift_conditions` for one kind of MoE block: one for each matmul output memcalc names."""
+    block = tuple(chain(*_matmuls(kind, True)))
+    following = (*(x for x, _ in block[1:]), None)
+    mla, query_latent, shared = kind
+    block_name = ("DeepSeek-V3's block" + ("" if query_latent else " without a query latent")) if mla else \
+        "Qwen3's MoE block"
+    what = (f"in {block_name} {'with' if shared else 'without'} shared experts SelectiveAC saves every other"
+            " matmul's output, but forces one whose weight on a rank is the router gate's (h, E) to recompute,"
+            " uncounted: the count of those after it shifts")
+    return tuple(SizeCondition(
+        output, what,
+        kept=lambda sizes, t, i=i: _saved(_forced(block, True, sizes, t))[i],
+        instead=(following[i],) if i % 2 == 0 and following[i] is not None else (),
+        applies=lambda k: k.recompute == "op" and bool(k.moe) and _kind(k) == kind,
+    ) for i, (output, _) in enumerate(block) if output is not None)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -410,8 +510,8 @@ EP_WITHOUT_TP = Refusal(
 
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm's whole 16-byte strides (`check_grouped_mm`) for each rank's expert width: e/t under TP at
-    ep = 1, whole under ep = t. Under SelectiveAC, no matmul of a MoE block with the router gate's (h, E) weight
-    (`_gate_shaped`). RoPE on heads of even width (`_check_rope`)."""
+    ep = 1, whole under ep = t. Under SelectiveAC, no shift of its count onto wq_b (`_check_unnamed_saved`). RoPE on
+    heads of even width (`_check_rope`)."""
     _check_rope(config)
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
@@ -420,12 +520,23 @@ def check_sizes(config: Any) -> None:
         raise ConfigError(f"impl torchtitan: dp_shard*cp={shards} ranks above num_experts={config.num_experts}: its"
                           f" apply_fsdp_to_decoder shards the experts on dim 1 (f_e/t={f}, h={config.h}), which"
                           " FSDP2 refuses uneven (NotImplementedError); pick dp_shard*cp dividing both")
-    gate_shaped = _gate_shaped(config) if config.moe and config.recompute == "op" else ()
-    if gate_shaped:
-        raise ConfigError(f"impl torchtitan, recompute op: {gate_shaped[0]} has a weight of the router gate's shape,"
-                          f" (h, E) = ({config.h}, {config.num_experts}), and SelectiveAC recomputes every matmul of"
-                          " that shape (force_recompute_mm_shapes_by_fqns), shifting which of the others it saves: not"
-                          " modelled; use recompute none or full")
+    _check_unnamed_saved(config)
+
+
+def _check_unnamed_saved(config: Any) -> None:
+    """A forced matmul (`_forced`) that shifts SelectiveAC's count onto wq_b, whose output memcalc does not name: a
+    query latent r_q = E wide (wq_a's weight the gate's (h, E)), whole (the none layout) or with wq_b's split over t."""
+    if not (config.moe and config.recompute == "op" and config.mla and config.q_lora_rank is not None):
+        return
+    from memcalc.model.evaluate import dim_sizes  # evaluate imports the implementations
+    block = tuple(chain(*_matmuls(_kind(config), True)))
+    for t in {1, config.t}:
+        marks = _saved(_forced(block, True, dim_sizes(config), t))
+        if any(mark for (output, _), mark in zip(block, marks) if output is None):
+            raise ConfigError(f"impl torchtitan, recompute op: wq_a's weight (h, r_q) = ({config.h},"
+                              f" {config.q_lora_rank}) is the router gate's (h, E), which SelectiveAC recomputes,"
+                              " leaving it out of its count: it then saves wq_b's output, which memcalc has not"
+                              " measured; use recompute none or full")
 
 
 def _check_rope(config: Any) -> None:
@@ -450,33 +561,6 @@ def expert_dim1(config: Any) -> bool:
     """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
     (dp_replicate x fsdp, its ParallelDims' fsdp = dp_shard*cp) has more ranks than there are experts."""
     return bool(config.moe) and (config.dp_replicate or 1) * (config.dp_shard or 1) * config.cp > config.num_experts
-
-
-def _gate_shaped(config: Any) -> tuple[str, ...]:
-    """The block's matmuls whose weight on a rank, (in, out), is the router gate's (h, E), whole (the none layout) or
-    split over t: the attention's (`_attention_weights`), the shared experts' w1's and w3's (h, u/t) and w2's
-    (u/t, h). Found by the differential test (u/t = E)."""
-    h, e, u = config.h, config.num_experts, config.moe_shared_expert_intermediate_size or 0
-    weights = {**_attention_weights(config), "the shared experts' w1 (and w3)": lambda t: (h, u // t),
-               "the shared experts' w2": lambda t: (u // t, h)}
-    return tuple(f"{name} at {'t=1' if shape(1) == (h, e) else f't={config.t}'}" for name, shape in weights.items()
-                 if (h, e) in {shape(1), shape(config.t)})
-
-
-def _attention_weights(config: Any) -> dict[str, Any]:
-    """The attention's weights on a rank of t, (in, out): Llama3's wqkv (h, (a + 2g)d/t) and wo (ad/t, h); DeepSeek-V3's
-    wq (h, a(d_n + d_r)/t) or wq_a (h, r_q) and wq_b (r_q, a(d_n + d_r)/t), wkv_a (h, r_kv + d_r), wkv_b
-    (r_kv, a(d_n + d_v)/t), wo (a d_v/t, h)."""
-    h, a = config.h, config.a
-    if not config.mla:
-        return {"wqkv": lambda t: (h, (a + 2 * config.groups) * config.head_dim // t),
-                "wo": lambda t: (a * config.head_dim // t, h)}
-    r_q, r_kv, heads = config.q_lora_rank, config.kv_lora_rank, a * (config.qk_nope_head_dim + config.qk_rope_head_dim)
-    query = {"wq": lambda t: (h, heads // t)} if r_q is None else {
-        "wq_a": lambda t: (h, r_q), "wq_b": lambda t: (r_q, heads // t)}
-    return {**query, "wkv_a": lambda t: (h, r_kv + config.qk_rope_head_dim),
-            "wkv_b": lambda t: (r_kv, a * (config.qk_nope_head_dim + config.v_head_dim) // t),
-            "wo": lambda t: (a * config.v_head_dim // t, h)}
 
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
@@ -519,6 +603,7 @@ CONDITIONS = (
         " ranks (ep > 1, fewer than E here); at ep = 1 it dispatches locally",
         kept=lambda sizes, t: sizes.get(Dim.EL, 0) < sizes.get(Dim.E, 0),
     ),
+    *_shift_conditions(),
 )
 
 IMPLEMENTATION = Implementation(

@@ -14,7 +14,7 @@ from typing import Callable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import estimate
+from memcalc.model.evaluate import dim_sizes, estimate
 from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
@@ -192,7 +192,8 @@ def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
-    cached = rules.op_checkpoint(config, config.is_moe_layer(i)) if config.recompute == "op" else ()
+    at = (dim_sizes(config), z.t)  # the sizes, at which a weight of the router gate's shape shifts its count
+    cached = rules.op_checkpoint(config, config.is_moe_layer(i), at) if config.recompute == "op" else ()
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -507,7 +508,8 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     a, g = "attention", f"grad/{p}/attention"
     qkv = z.tokens(z.act * z.qkv_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
-    wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
+    wo_out = kept_name(p, rules.WO_OUT)  # its partial sum under tp, which SelectiveAC caches where wqkv is forced
+    attention_out = f"{p}/attention out" if z.t > 1 else wo_out
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
     kept_mid = _stream_after_attention(z)
     # SDPA's dQ and dK live until v's node runs: ModTracker leaves the attention kernel in backward by a multi-grad
@@ -548,7 +550,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
         Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm keeps"
                                                                " it") if kept_mid else
                                                Made(mid, h, "the residual stream after attention"),),
-                             frees=(f"{p}/attention out",)),), backward=()),
+                             frees=(attention_out,)),), backward=()),
     )
 
 

@@ -119,18 +119,6 @@ def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs
     assert "\n" not in str(caught.value)
 
 
-def test_selective_ac_recomputes_a_matmul_shaped_like_the_router_gate_so_that_shape_is_refused():
-    """force_recompute_mm_shapes_by_fqns: wqkv's weight, (h, (a+2g)d) = (32, 64), is the gate's (h, E) at E = 64, so
-    SelectiveAC recomputes wqkv's matmul rather than saving it (and counts the others' parity without it)."""
-    knobs = SIZES | {"num_experts": 64}
-    with pytest.raises(ConfigError, match="^impl torchtitan, recompute op: wqkv at t=1 has a weight of the router"):
-        build_config(knobs | {"recompute": "op"})
-    config = build_config(knobs)
-    config = replace(config, recompute=type(config.recompute)("op"))  # past the refusal: what the library keeps there
-    saved = {x.name for x in runner.run_layer(single("cpu"), config, NONE, route="balanced")}
-    assert "attention/qkv_out" not in saved and "attention/proj_in" in saved
-
-
 def test_expert_parallelism_without_tensor_parallelism_is_refused_naming_where_torchtitan_takes_its_ranks():
     with pytest.raises(ConfigError, match="dp_shard"):
         plan(build_config(SIZES | {"t": 2, "ep": 2, "moe_ffn_hidden_size": 32}), STRATEGIES["none"])
