@@ -7,13 +7,14 @@ its TP plan, what its layer keeps beside the paper's, what it keeps gathered und
 
 from __future__ import annotations
 
+from itertools import groupby
 from dataclasses import replace
 from pathlib import Path
 
 from memcalc.docgen.model import formula_section
 from memcalc.docgen.template import DOCS_DIR, heading, md_table
 from memcalc.model.impls import IMPLEMENTATIONS
-from memcalc.model.impls.base import Implementation
+from memcalc.model.impls.base import Implementation, SizeCondition
 from memcalc.model.knobs import KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 
@@ -108,14 +109,20 @@ def _size_rule(impl: Implementation, knobs: Knobs) -> str:
 
 
 def _size_conditions(impl: Implementation) -> str:
-    """The single tensors kept as written only at some sizes (`SizeCondition`), one line each."""
+    """The single tensors kept as written only at some sizes (`SizeCondition`), a line for each reason: the tensors
+    that one rule decides (SelectiveAC's shifted count decides every matmul output of a block) share it."""
     lines = ["Single tensors kept as written only at some sizes (numbers follow them point by point):", ""]
-    for c in impl.size_conditions:
-        names = [x.name for x in c.instead]
-        instead = "" if not names else " (in another form)" if names == [c.tensor.name] \
-            else f" ({', '.join(f'`{x}`' for x in names)} in its place)"
-        lines.append(f"- `{c.tensor.name}`{instead}: {c.what[:1].upper()}{c.what[1:]}.")
+    for what, conditions in groupby(impl.size_conditions, key=lambda c: c.what):
+        lines.append(f"- {', '.join(map(_condition_tensor, conditions))}: {what[:1].upper()}{what[1:]}.")
     return "\n".join(lines)
+
+
+def _condition_tensor(c: SizeCondition) -> str:
+    """A tensor a size condition decides, and what is kept in its place where it is not kept as written."""
+    names = [x.name for x in c.instead]
+    instead = "" if not names else " (in another form)" if names == [c.tensor.name] \
+        else f" ({', '.join(f'`{x}`' for x in names)} in its place)"
+    return f"`{c.tensor.name}`{instead}"
 
 
 def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
