@@ -21,6 +21,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
+from memcalc.sizing.timeline import torchtitan_mla
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
@@ -70,8 +71,10 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
 
 
 def _rope_cache(config: ModelConfig, z: Sizes) -> int:
-    """Bytes of one block's RoPE table: ComplexRoPE's complex64 (s, d/2), or Qwen3's CosSinRoPE's fp32 (s, 2d) (cos
-    and sin, each over d channels)."""
+    """Bytes of one block's RoPE table: ComplexRoPE's complex64 (s, d/2) (DeepSeek-V3's over each head's d_r RoPE
+    channels), or Qwen3's CosSinRoPE's fp32 (s, 2d) (cos and sin, each over d channels)."""
+    if config.mla:
+        return 8 * config.s * (config.qk_rope_head_dim // 2)
     return 8 * config.s * (z.d if config.qk_layernorm else z.d // 2)
 
 
@@ -142,9 +145,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     m = torchtitan_microbatches(config)
     pp_sharded = config.pp > 1 and config.dp_shard is not None
     missing = [
-        # its layer's tensors are the ledger's (memcalc.model.impls.torchtitan.latent_attention_block); the walk's ops
-        # are Llama3's fused wqkv attention
-        (config.mla, "DeepSeek-V3's latent attention (kv_lora_rank)"),
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
         # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in
@@ -193,6 +193,7 @@ def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None
         return None
     p = f"layers.{i}"
     cached = rules.op_checkpoint(config, config.is_moe_layer(i)) if config.recompute == "op" else ()
+    cached = tuple(torchtitan_mla.cached_as(x, z) for x in cached)  # DeepSeek-V3's outputs kept as other terms too
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -441,7 +442,8 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    attention = attention_ops(p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
+    attention = torchtitan_mla.latent_attention_ops(p, z, config, mid, gx, gmid, h) if config.mla else attention_ops(
+        p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
     # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
     dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):
@@ -509,7 +511,6 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
-    kept_mid = _stream_after_attention(z)
     # SDPA's dQ and dK live until v's node runs: ModTracker leaves the attention kernel in backward by a multi-grad
     # hook on its three inputs (head_norm_ops), which holds the first two gradients until the last one's node starts.
     # That is v's contiguous copy, in the split: after ComplexRoPE's backward, which frees them as it returns, but
@@ -545,11 +546,18 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
-        Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm keeps"
-                                                               " it") if kept_mid else
-                                               Made(mid, h, "the residual stream after attention"),),
-                             frees=(f"{p}/attention out",)),), backward=()),
+        first_residual(p, z, mid, h, f"{p}/attention out"),
     )
+
+
+def first_residual(p: str, z: Sizes, mid: str, h: int, attention_out: str) -> Op:
+    """x + the attention's output (`attention_out`, which goes): the residual stream after attention (`mid`), on CUDA
+    ffn_norm's kept input."""
+    kept_mid = _stream_after_attention(z)
+    return Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm"
+                                                                 " keeps it") if kept_mid else
+                                                 Made(mid, h, "the residual stream after attention"),),
+                                frees=(attention_out,)),), backward=())
 
 
 def _split_out(p: str, z: Sizes, x: str, nbytes: int, qwen3: bool) -> Made:
@@ -667,46 +675,52 @@ def _cos_sin_backward(p: str, z: Sizes, q: int, kv: int) -> tuple[Step, ...]:
             Step("q.float()'s backward: to bf16", (Made(f"{g}/dq normed", q, "bf16"),), frees=(total("q"),)))
 
 
-def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
+def rope_ops(p: str, z: Sizes, q: int, kv: int, outputs: tuple[Made, Made] | None = None, k_grad: str = "",
+             table: SavedTensor = rules.ROPE_CACHE) -> Op:
     """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept); in fp32 .float() and type_as
     are no-ops, the complex products Q and K themselves. On CUDA's flex path, given the batch's positions, the table is
-    first gathered at them (kept by both products, until q's backward)."""
-    g, gathered, cast = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE), z.act != 4
+    first gathered at them (kept by both products, until q's backward). DeepSeek-V3's (memcalc.sizing.timeline.
+    torchtitan_mla) runs on views of the projections' outputs and makes `outputs` (q's and k's); in backward its dQ is
+    a view of SDPA's, and k's gradient (`k_grad`, the expand's sum) goes as k's cast's backward returns, where
+    Llama3's SDPA's dQ and dK go as RoPE returns. `table`: the ledger's term for the gathered table."""
+    g, gathered, cast = f"grad/{p}/attention", kept_name(p, table), z.act != 4
+    q_out, k_out = outputs or (kept(p, ledger.Q), kept(p, ledger.K))
+    grads = () if k_grad else (f"{g}/dq", f"{g}/dk")
     fp32q, fp32k = 4 * q // z.act, 4 * kv // z.act  # the fp32 copies and their complex64 products
     # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
-    table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
-    gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
-    pre = (f"{p}/q pre-rope", f"{p}/k pre-rope")
+    conj = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
+    gather = (Step("the table gathered at the positions", (kept(p, table),)),) if z.cuda else ()
+    pre = (f"{p}/q pre-rope", f"{p}/k pre-rope") if outputs is None else ()  # DeepSeek-V3's: views
 
     def conjugate(x: str, nbytes: int, *frees: str, returns: bool = False) -> tuple[Step, ...]:
         """dX (cast up to fp32) times the table's conjugate; in fp32 that is x's gradient before RoPE."""
         into = Made(f"{g}/d{x} rotated", nbytes, "complex64") if cast else Made(
             f"{g}/d{x} pre-rope", nbytes, "complex64, seen as real")
-        return (Step(f"the table's conjugate, for {x}", (Made(f"{g}/conj {x}", table, "complex64"),)),
+        return (Step(f"the table's conjugate, for {x}", (Made(f"{g}/conj {x}", conj, "complex64"),)),
                 Step(f"d{x.upper()} times it", (into,), frees=(f"{g}/conj {x}", *frees), returns=returns))
     if not cast:
-        forward = (Step("q times the table: Q", (kept(p, ledger.Q),)),
-                   Step("k times the table: K", (kept(p, ledger.K),), frees=pre, reads_last=(gathered,)))
-        backward = (*conjugate("k", fp32k), *conjugate("q", fp32q, f"{g}/dq", f"{g}/dk", returns=True))
+        forward = (Step("q times the table: Q", (q_out,)),
+                   Step("k times the table: K", (k_out,), frees=pre, reads_last=(gathered,)))
+        backward = (*conjugate("k", fp32k), *conjugate("q", fp32q, *grads, returns=True))
     else:
         forward = (Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
                    Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
                    Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
                    Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
-                   Step("q cast back", (kept(p, ledger.Q),)),
-                   Step("k cast back", (kept(p, ledger.K),), frees=(
+                   Step("q cast back", (q_out,)),
+                   Step("k cast back", (k_out,), frees=(
                        f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", *pre),
                        reads_last=(gathered,)))  # the gathered table: a local of its forward
         backward = (
-            Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
+            Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),), frees=(k_grad,)),
             Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
             *conjugate("k", fp32k, f"{g}/dk fp32"),
             *conjugate("q", fp32q, f"{g}/dq fp32", returns=True),
             Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
             Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
-                 frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
+                 frees=(f"{g}/dq rotated", *grads)),
         )
-    return Op("attention.rope", (*gather, *forward), backward, saves=(rules.ROPE_CACHE,) if z.cuda else ())
+    return Op("attention.rope", (*gather, *forward), backward, saves=(table,) if z.cuda else ())
 
 
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
