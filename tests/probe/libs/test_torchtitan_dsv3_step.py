@@ -88,7 +88,7 @@ def test_with_experts_its_deepseek_v3_moe_step_is_memtrackers(one_thread, change
 
 
 @pytest.mark.parametrize("changes, strategy, route", [
-    ({"b": 1, "s": 7}, "none", None),  # the fused latent norms keep the down projections' outputs; RoPE's gathered table
+    ({"b": 1, "s": 7}, "none", None),  # fused latent norms keep the down projections' outputs; the gathered table
     (Q_LATENT | {"t": 2, "b": 2, "s": 10, "recompute": "full"}, "tp-sp", None),
     (MOE | Q_LATENT | {"b": 1, "s": 7, "recompute": "op"}, "none", "balanced"),
 ], ids=str)
