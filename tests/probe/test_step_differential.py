@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
+from .step_readings import assert_step_exact
 from .test_differential import DROPOUT, DTYPES, MLA, _layouts, library, routed  # noqa: F401  (library: the fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -253,13 +254,6 @@ def check_step(config: Any, layout: str, route: str | None) -> None:
         assume(False)  # the step timeline refuses what it does not model, in one line
     for r in compared:
         assert_step_exact(r)
-
-
-def assert_step_exact(r: Any) -> None:
-    """`measure --step`'s comparison (a `StepComparison`): MemTracker peaks at the moment the timeline names, with its
-    bytes in every category, at the peak and between steps."""
-    assert r.measured.moment == r.predicted_moment, (r.measured.moment, r.predicted_moment, r.differences())
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
 def _drawn(subject: Subject, examples: int, derandomize: bool) -> Any:

@@ -287,8 +287,10 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    attention = torchtitan_mla.latent_attention_ops(p, z, config, mid, gx, gmid, h) if config.mla else attention_ops(
-        p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
+    if config.mla:
+        attention = torchtitan_mla.latent_attention_ops(p, z, config, mid, gmid, gx, h)
+    else:
+        attention = attention_ops(p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
     # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
     dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):

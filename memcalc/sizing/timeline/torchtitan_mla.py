@@ -23,7 +23,7 @@ from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_n
 A = "attention"  # the Attention module's path below the block's
 
 
-def latent_attention_ops(p: str, z: Sizes, config: ModelConfig, mid: str, gx: str, gmid: str,
+def latent_attention_ops(p: str, z: Sizes, config: ModelConfig, mid: str, gmid: str, gx: str,
                          h: int) -> tuple[Op, ...]:
     """attention_norm, the Attention (the query projection, wkv_a, RoPE on the d_r-wide parts, kv_norm, wkv_b, the two
     concatenations, SDPA, wo) and the first residual sum, in forward order; their backward is the reverse, as

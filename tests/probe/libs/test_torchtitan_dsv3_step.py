@@ -20,7 +20,7 @@ from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, readings_of_the_measured_step  # noqa: E402
+from ..step_readings import assert_step_exact, assert_step_exact_moment_by_moment  # noqa: E402
 
 CPU = Accounting(exact=True, device="cpu")
 # a latent of 24, four heads of d_n + d_r = 8 + 4, values as wide; no K/V groups
@@ -52,14 +52,7 @@ MOE_CASES = [
 
 
 def _assert_exact(config, strategy, route=None):
-    """MemTracker's step: every moment the timeline names among its readings, in order; its peak at the moment
-    named, each category there and the state between steps to the byte."""
-    with readings_of_the_measured_step() as readings:
-        (r,) = measure_step(config, [strategy], route=route)
-    assert r.model.startswith("torchtitan's DeepSeekV3Model")
-    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], readings)
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert_step_exact_moment_by_moment(config, strategy, "torchtitan's DeepSeekV3Model", route)
 
 
 def test_the_chosen_sizes_put_the_peak_in_its_latent_attention():
@@ -94,17 +87,18 @@ def test_with_experts_its_deepseek_v3_moe_step_is_memtrackers(one_thread, change
 ], ids=str)
 def test_as_cuda_runs_it_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route):
     (r,) = measure_step(make_config(LLAMA3, **(DSV3 | changes)), [strategy], route=route, device="cuda")
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert_step_exact(r)
 
 
-@pytest.mark.parametrize("changes, strategy", [
-    ({"dp_shard": 2, "b": 1, "s": 13}, "none"),
-    (Q_LATENT | {"dp_shard": 2, "t": 2, "b": 2, "s": 10}, "tp-sp"),
-    ({"pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none"),  # each stage's
-    (Q_LATENT | {"pp": 2, "num_microbatches": 2, "t": 2, "b": 1, "s": 10}, "tp-sp"),
+@pytest.mark.parametrize("changes, strategy, route", [
+    ({"dp_shard": 2, "b": 1, "s": 13}, "none", None),
+    (Q_LATENT | {"dp_shard": 2, "t": 2, "b": 2, "s": 10}, "tp-sp", None),
+    (MOE | {"dp_shard": 2, "b": 2, "s": 9, "moe_shared_expert_intermediate_size": 48}, "none", "balanced"),
+    ({"pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none", None),  # each stage's
+    (Q_LATENT | {"pp": 2, "num_microbatches": 2, "t": 2, "b": 1, "s": 10}, "tp-sp", None),
+    # every layer a MoE one: dense first layers under pp the config refuses
+    (MOE | {"moe_first_dense_layers": None, "pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none", "balanced"),
 ], ids=str)
-def test_sharded_and_pipelined_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy):
-    for r in measure_step(make_config(LLAMA3, **(DSV3 | changes)), [strategy]):
-        assert r.measured.moment == r.predicted_moment
-        assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+def test_sharded_and_pipelined_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route):
+    for r in measure_step(make_config(LLAMA3, **(DSV3 | changes)), [strategy], route=route):
+        assert_step_exact(r)
