@@ -232,8 +232,9 @@ def rope_ops(p: str, z: Sizes, q: int, kv: int, outputs: tuple[Made, Made] | Non
     are no-ops, the complex products Q and K themselves. On CUDA's flex path, given the batch's positions, the table is
     first gathered at them (kept by both products, until q's backward). DeepSeek-V3's (memcalc.sizing.timeline.
     torchtitan_mla) runs on views of the projections' outputs and makes `outputs` (q's and k's); in backward its dQ is
-    a view of SDPA's, and k's gradient (`k_grad`, the expand's sum) goes as k's cast's backward returns, where
-    Llama3's SDPA's dQ and dK go as RoPE returns. `table`: the ledger's term for the gathered table."""
+    a view of SDPA's, and k's gradient (`k_grad`: the expand's sum, or over one head dK itself) goes as k's cast's
+    backward returns, where Llama3's SDPA's dQ and dK go as RoPE returns. `table`: the ledger's term for the gathered
+    table."""
     g, gathered, cast = f"grad/{p}/attention", kept_name(p, table), z.act != 4
     q_out, k_out = outputs or (kept(p, ledger.Q), kept(p, ledger.K))
     grads = () if k_grad else (f"{g}/dq", f"{g}/dk")
