@@ -28,8 +28,8 @@ from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEM
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.torchtitan_ops import (
-    first_residual, gather, gathered_dy, keeps_input, norm, norm_out, pre_norm, reduce_scatter, reduce_scattered,
-    rope_ops, stream_after_attention,
+    attention_kernel, first_residual, gather, gathered_dy, keeps_input, norm, norm_out, pre_norm, reduce_scatter,
+    reduce_scattered, rope_ops, stream_after_attention,
 )
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_bytes
@@ -318,7 +318,6 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     qkv = z.tokens(z.act * z.qkv_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
-    kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
     # SDPA's dQ and dK live until v's node runs: ModTracker leaves the attention kernel in backward by a multi-grad
     # hook on its three inputs (head_norm_ops), which holds the first two gradients until the last one's node starts.
     # That is v's contiguous copy, in the split: after ComplexRoPE's backward, which frees them as it returns, but
@@ -340,15 +339,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")))),
         *(head_norm_ops(p, z, q, kv) if qwen3 else ()),
         cos_sin_rope_op(p, z, q, kv) if qwen3 else rope_ops(p, z, q, kv),
-        Op(f"{a}.inner_attention",
-           # SDPA's flash kernel; on CUDA compiled flex, whose Inductor buffers (the row maxima, backward's delta) are
-           # its workspace
-           forward=(Step(f"{kernel}: output and log-sum-exp", (kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)),
-                         reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
-           backward=(Step(f"{kernel}'s backward: dQ, dK, dV", (
-               Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"), Made(f"{g}/dv", kv, "bf16")),
-               frees=(f"{g}/dout",)),),
-           saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
+        attention_kernel(p, z, (q, kv, kv), (ledger.Q, ledger.K, ledger.V), ledger.PROJ_IN),
         *module_returns((
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.weight(f"{a}.wo"),
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),

@@ -16,7 +16,7 @@ from memcalc.sizing.timeline.megatron_mla import Widths
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.torchtitan_ops import (
-    first_residual, gather, norm, norm_out, pre_norm, reduce_scatter, rope_ops,
+    attention_kernel, first_residual, gather, norm, norm_out, pre_norm, reduce_scatter, rope_ops,
 )
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
@@ -107,20 +107,13 @@ def _key_value_ops(p: str, z: Sizes, w: Widths) -> tuple[Op, ...]:
 
 
 def _core_ops(p: str, z: Sizes, w: Widths) -> tuple[Op, ...]:
-    """SDPA's flash kernel (on CUDA compiled flex, which keeps what it keeps), wo and under tp its collectives; then
-    the Attention returns and its locals go (the query projection's output, RoPE's outputs)."""
+    """The attention kernel (V: wkv_b's whole output), wo and under tp its collectives; then the Attention returns
+    and its locals go (the query projection's output, RoPE's outputs)."""
     g, full = f"grad/{p}/{A}", z.full(z.h)
     wo_out, dy = kept_name(p, rules.WO_OUT), f"{g}/dY whole"  # its partial sum under tp; its dY gathered under SP
     qk, v = z.tokens(z.act * z.a_t * w.qk), z.tokens(z.act * z.a_t * w.v)
     return (
-        Op(f"{A}.inner_attention",
-           forward=(Step("SDPA's flash kernel: output and log-sum-exp", (
-               kept(p, ledger.MLA_PROJ_IN), kept(p, ledger.SOFTMAX_LSE)),
-               reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
-           backward=(Step("SDPA's flash kernel's backward: dQ, dK, dV", (
-               Made(f"{g}/dq", qk, "bf16"), Made(f"{g}/dk", qk, "bf16"), Made(f"{g}/dv", v, "bf16")),
-               frees=(f"{g}/dout",)),),
-           saves=(ledger.MLA_Q, ledger.MLA_K, ledger.MLA_KV_UP_OUT, ledger.SOFTMAX_LSE, ledger.MLA_PROJ_IN)),
+        attention_kernel(p, z, (qk, qk, v), (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_KV_UP_OUT), ledger.MLA_PROJ_IN),
         linear(f"{A}.wo", ledger.MLA_PROJ_IN, Made(wo_out, full, "wo's output"), z.weight(f"{A}.wo"), f"{g}/dout", v,
                p, frees=(dy,) if z.sp else ()),
         *reduce_scatter(f"{A}.wo", z, p, wo_out, f"{p}/attention out", dy, ()),

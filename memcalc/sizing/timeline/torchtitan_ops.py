@@ -226,6 +226,22 @@ def first_residual(p: str, z: Sizes, mid: str, h: int, attention_out: str) -> Op
                                 frees=(attention_out,)),), backward=())
 
 
+def attention_kernel(p: str, z: Sizes, widths: tuple[int, int, int], qkv: tuple[SavedTensor, SavedTensor, SavedTensor],
+                     out: SavedTensor) -> Op:
+    """The attention kernel, SDPA's flash kernel, on CUDA compiled flex (whose Inductor buffers, the row maxima and
+    backward's delta, are its workspace): its output `out` (wo's input) and the fp32 log-sum-exp kept, with Q, K and V
+    (`qkv`); in backward dQ, dK and dV (`widths`: their bytes) beside dY."""
+    g, kernel = f"grad/{p}/attention", "flex attention" if z.cuda else "SDPA's flash kernel"
+    q, k, v = widths
+    return Op("attention.inner_attention",
+              forward=(Step(f"{kernel}: output and log-sum-exp", (kept(p, out), kept(p, ledger.SOFTMAX_LSE)),
+                            reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
+              backward=(Step(f"{kernel}'s backward: dQ, dK, dV", (
+                  Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", k, "bf16"), Made(f"{g}/dv", v, "bf16")),
+                  frees=(f"{g}/dout",)),),
+              saves=(*qkv, ledger.SOFTMAX_LSE, out))
+
+
 def rope_ops(p: str, z: Sizes, q: int, kv: int, outputs: tuple[Made, Made] | None = None, k_grad: str = "",
              table: SavedTensor = rules.ROPE_CACHE) -> Op:
     """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept); in fp32 .float() and type_as
