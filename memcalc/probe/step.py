@@ -684,12 +684,15 @@ def _trainer(config: ModelConfig) -> Callable[..., StepMeasurement]:
 
 def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: transformers' model of the config's family (memcalc.probe.libs.hf_step),
-    torchtitan's Llama3Model (with qk_layernorm its Qwen3Model) with its Qwen3 MoE layers
-    (memcalc.probe.libs.torchtitan_step), its router forced."""
+    torchtitan's Llama3Model (with qk_layernorm its Qwen3Model, with kv_lora_rank its DeepSeekV3Model) with its Qwen3
+    MoE layers (DeepSeek-V3's: its own blocks with that MoE) (memcalc.probe.libs.torchtitan_step), its router
+    forced."""
     forced = f", router forced {route}" if config.moe else ""
     if config.impl == "torchtitan":
-        model = "torchtitan's Qwen3Model" if config.qk_layernorm else STEP_MODELS[config.impl]
-        return f"{model} with its Qwen3 MoE layers{forced}" if config.moe else model
+        model = ("torchtitan's DeepSeekV3Model" if config.mla else "torchtitan's Qwen3Model" if config.qk_layernorm
+                 else STEP_MODELS[config.impl])
+        layers = "its MoE layers" if config.mla else "its Qwen3 MoE layers"
+        return f"{model} with {layers}{forced}" if config.moe else model
     if config.impl == "hf":
         return f"transformers' {layer_family(config).architectures[0]}{forced}"
     modules = " and ".join(_megatron_modules(config))

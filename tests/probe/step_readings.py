@@ -95,6 +95,29 @@ def assert_moments_in_order(moments: Sequence[Moment], readings: list[tuple[str,
         position = found
 
 
+def assert_step_exact(r) -> None:
+    """`measure --step`'s comparison (a `StepComparison`): MemTracker peaks at the moment the timeline names, with its
+    bytes in every category, at the peak and between steps."""
+    assert r.measured.moment == r.predicted_moment, (r.measured.moment, r.predicted_moment, r.differences())
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+def assert_step_exact_moment_by_moment(config, strategy: str, model: str, route: str | None = None) -> None:
+    """MemTracker's step of `model` (the words `measure_step` names it by begin so): every moment the CPU's timeline
+    names among its readings, in order; its peak at the moment named, each category there and the state between
+    steps to the byte."""
+    from memcalc.model.knobs import Accounting
+    from memcalc.model.strategy import STRATEGIES
+    from memcalc.sizing.timeline import timeline
+
+    with readings_of_the_measured_step() as readings:
+        (r,) = step.measure_step(config, [strategy], route=route)
+    assert r.model.startswith(model)
+    cpu = Accounting(exact=True, device="cpu")
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], cpu).moments[1:-1], readings)
+    assert_step_exact(r)
+
+
 def torchtitan_pp_fsdp_readings(config, stage: str, route: str | None = None) -> list[tuple[str, dict[str, int]]]:
     """FSDPMemTracker's reading after every op of one step of torchtitan's pipeline stage `stage` under its
     parallelize_llama (FSDP2 over dp_shard; with experts its routers forced to `route`), on the stage's first rank of

@@ -2,7 +2,8 @@
 step timeline says.
 
 For every model `measure --step` trains (memcalc's GPT with megatron-core's modules, torchtitan's Llama3Model dense,
-checkpointed, pipelined (each stage on its rank) and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
+checkpointed, pipelined (each stage on its rank) and with experts, its DeepSeekV3Model, transformers' families, and
+both under FSDP2), hypothesis draws a tensor-parallel size
 t in {1, 2, 4}, one to three layers, b = 1 among the batch sizes, s <= 32 (odd ones included; long enough for the
 attention core's (s, s) gradients to be the peak), odd head counts per rank and every GQA ratio t allows, a small
 vocabulary, the knob values the model takes, one of the layouts its implementation runs and, with experts, a forced
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
+from .step_readings import assert_step_exact
 from .test_differential import DROPOUT, DTYPES, MLA, _layouts, library, routed  # noqa: F401  (library: the fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,6 +92,16 @@ _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integ
                          moe_router_pre_softmax=st.booleans(),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
                          recompute=st.sampled_from(("none", "full", "op")), tie_embeddings=TIED)
+# torchtitan's DeepSeekV3Model: values as wide as its heads (d_n + d_r; its CPU stand-in, SDPA's flash kernel, takes
+# one width), bf16 (its latent attention is measured in bf16 only), dense and with its MoE layers after dense ones
+TORCHTITAN_MLA = TORCHTITAN | MLA | {"v_head_dim": MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"]}
+_TORCHTITAN_DSV3 = _knobs(q_lora_rank=st.sampled_from((None, 8)), recompute=st.sampled_from(("none", "full", "op")))
+_TORCHTITAN_DSV3_MOE = _knobs(q_lora_rank=st.sampled_from((None, 8)), num_experts=st.integers(2, 6),
+                              moe_router_topk=st.integers(1, 3),
+                              moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
+                              moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
+                              moe_first_dense_layers=st.sampled_from((None, 1)),
+                              recompute=st.sampled_from(("none", "full", "op")))
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
@@ -154,6 +166,9 @@ SUBJECTS = (
     Subject("torchtitan pp", "torchtitan", TORCHTITAN, _TORCHTITAN_PP, ts=(1,)),
     Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
+    Subject("torchtitan deepseek_v3", "torchtitan", TORCHTITAN_MLA, _TORCHTITAN_DSV3, gqa=False),
+    Subject("torchtitan deepseek_v3 moe", "torchtitan", TORCHTITAN_MLA, _TORCHTITAN_DSV3_MOE, routes=(BALANCED,),
+            gqa=False, align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA,
@@ -239,13 +254,6 @@ def check_step(config: Any, layout: str, route: str | None) -> None:
         assume(False)  # the step timeline refuses what it does not model, in one line
     for r in compared:
         assert_step_exact(r)
-
-
-def assert_step_exact(r: Any) -> None:
-    """`measure --step`'s comparison (a `StepComparison`): MemTracker peaks at the moment the timeline names, with its
-    bytes in every category, at the peak and between steps."""
-    assert r.measured.moment == r.predicted_moment, (r.measured.moment, r.predicted_moment, r.differences())
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
 def _drawn(subject: Subject, examples: int, derandomize: bool) -> Any:

@@ -21,11 +21,16 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
+from memcalc.sizing.timeline import torchtitan_mla
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
-from memcalc.sizing.timeline.torchtitan_moe import moe_ops, permuted_stream_grad
+from memcalc.sizing.timeline.torchtitan_moe import moe_ops
+from memcalc.sizing.timeline.torchtitan_ops import (
+    attention_kernel, first_residual, gather, gathered_dy, keeps_input, norm, norm_out, pre_norm, reduce_scatter,
+    reduce_scattered, rope_ops, stream_after_attention,
+)
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_bytes
 
@@ -70,8 +75,10 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
 
 
 def _rope_cache(config: ModelConfig, z: Sizes) -> int:
-    """Bytes of one block's RoPE table: ComplexRoPE's complex64 (s, d/2), or Qwen3's CosSinRoPE's fp32 (s, 2d) (cos
-    and sin, each over d channels)."""
+    """Bytes of one block's RoPE table: ComplexRoPE's complex64 (s, d/2) (DeepSeek-V3's over each head's d_r RoPE
+    channels), or Qwen3's CosSinRoPE's fp32 (s, 2d) (cos and sin, each over d channels)."""
+    if config.mla:
+        return 8 * config.s * (config.qk_rope_head_dim // 2)
     return 8 * config.s * (z.d if config.qk_layernorm else z.d // 2)
 
 
@@ -142,9 +149,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     m = torchtitan_microbatches(config)
     pp_sharded = config.pp > 1 and config.dp_shard is not None
     missing = [
-        # its layer's tensors are the ledger's (memcalc.model.impls.torchtitan.latent_attention_block); the walk's ops
-        # are Llama3's fused wqkv attention
-        (config.mla, "DeepSeek-V3's latent attention (kv_lora_rank)"),
         # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
         # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
         # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in
@@ -194,6 +198,7 @@ def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None
     p = f"layers.{i}"
     at = (dim_sizes(config), z.t)  # the sizes, at which a weight of the router gate's shape shifts its count
     cached = rules.op_checkpoint(config, config.is_moe_layer(i), at) if config.recompute == "op" else ()
+    cached = tuple(torchtitan_mla.cached_as(x, z) for x in cached)  # DeepSeek-V3's outputs kept as other terms too
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -270,179 +275,23 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
     return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
 
-# -- the ops ----------------------------------------------------------------------------------------------------
-
-
-def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
-         frees: tuple[str, ...] = (), stream: str = "", rows: int = 0, width: int = 0) -> Op:
-    """nn.RMSNorm: on CUDA torch's fused kernel (`fused_rms_norm`, keeping its input `x` itself), on a CPU torch's
-    rms_norm_composite, op by op, and its backward through autograd.
-
-    The composite's forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output
-    is made. Backward ends with dX cast back to bf16 (`dx`). In fp32 the input is x itself, so autograd adds x's two
-    gradients into the residual stream's (`stream`, its gradient; `dx` then the sum) as each comes. It normalises
-    `rows` rows of `width` channels: by default each token's h (under SP this rank's sequence shard's), Qwen3's head
-    norms each head's d.
-    """
-    tokens, width = rows or z.b * z.s_seq, width or z.h
-    if z.cuda:
-        return fused_rms_norm(where, z, norm, p, out, grad, dx, x, z.act * tokens * width)
-    n, full, row = f"{p}/{where}" if p else where, 4 * tokens * width, 4 * tokens
-    fp32, rstd, normed = kept_names(p, norm.input_fp32, norm.rstd, norm.normed_fp32)
-    # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
-    # the cast back
-    times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
-    weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
-    # its input is spmd_types' reduce-scatter's (s/t, b, h) output seen as (b, s/t, h), not contiguous (DTensor's
-    # reduce-scatter along s makes (b, s/t, h) itself; a pipeline stage's received input is its (b, s/t, h) receive
-    # buffer, whose layout every residual sum on the stage keeps: `Sizes.stage_receives`); a head norm's input is
-    # the split's contiguous copy
-    if z.sp and z.b > 1 and not z.dtensor and not z.stage_receives and not rows:
-        weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
-                    Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
-                         reads_last=(fp32,)))
-    cast = z.act != 4  # in fp32 input.to(float32) is x itself, kept by the norm, and the weighted product the output
-    if not cast:
-        fp32 = x
-    head = (
-        *((Step("input.to(float32)", (kept(p, norm.input_fp32),)),) if cast else ()),
-        Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
-        Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
-        Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
-        Step("x * rstd", (kept(p, norm.normed_fp32),)),
-    )
-    forward = (*head, *weighted, Step("cast back to bf16: the norm's output", (out,),
-                                      frees=(f"{n}/weighted", f"{n}/copy", *frees), reads_last=(rstd,))) if cast else (
-        *head, Step("times the weight: the norm's output", (out,), frees=tuple(f for f in frees if f != x),
-                    reads_last=(normed, rstd)))
-    g = f"grad/{n}"
-    # in fp32 dY is the output's gradient itself, the summed product the weight's gradient, and x's summed gradients dX
-    dy, dw = (f"{g}/dy", f"{g}/dw fp32") if cast else (grad, f"{g}/dweight")
-    weight_grad = (Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.weight(where), WHY_WGRAD),),
-                        frees=(dy, dw, normed), hands_over=(f"{g}/dweight",)),) if cast else (
-        Step("", frees=(dy, normed), hands_over=(dw,)),)
-    backward = (
-        *((Step("the cast's backward: dY up to fp32", (Made(dy, full, "dY in fp32"),), frees=(grad,)),)
-          if cast else ()),
-        Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
-        Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),),
-             reads_last=(normed,)),
-        Step("summed over tokens", (Made(dw, z.weight(where, 4), "the weight's fp32 gradient"),),
-             frees=(f"{g}/dw full",)),
-        *weight_grad,
-        Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
-        Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
-        Step("summed over h: rstd's gradient", (Made(f"{g}/dr", row, "(b, s, 1) fp32"),),
-             frees=(f"{g}/dnormed", f"{g}/dr full")),
-        *((Step("x's first gradient added to the residual stream's", (Made(f"{g}/dx (sum)", full, "a new tensor"),),
-                frees=(f"{g}/dx (x * r)", stream)),) if stream else ()),
-        Step("rsqrt's backward: rstd^3", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"),)),
-        Step("rsqrt's backward: -rstd^3 / 2", (Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),)),
-        Step("rsqrt's backward: times dr", (Made(f"{g}/dvariance", row, "(b, s, 1) fp32"),),
-             frees=(f"{g}/dr", f"{g}/r^3", f"{g}/-r^3 / 2", rstd)),
-        Step("mean's backward: spread over h, divided by h", (Made(f"{g}/dpow", full, "the gradient of x^2"),),
-             frees=(f"{g}/dvariance",)),
-        Step("pow's backward: x^1", (Made(f"{g}/x^1", full, "pow(x, 1), a copy"),)),
-        Step("pow's backward: 2 x", (Made(f"{g}/2x", full, "fp32"),)),
-        Step("pow's backward: dpow * 2x", (Made(f"{g}/dx (pow)", full, "x's second fp32 gradient"),),
-             frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
-        Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32" if cast else dx, full, "fp32"),),
-             frees=(f"{g}/dx (sum)" if stream else f"{g}/dx (x * r)", f"{g}/dx (pow)")),
-        *((Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * width, "the norm's"
-                                                                           " dX"),), frees=(f"{g}/dx fp32",)),)
-          if cast else ()),
-    )
-    return Op(where, forward, backward, saves=(*((norm.input_fp32,) if cast else ()), norm.rstd, norm.normed_fp32))
-
-
-def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
-                   x: str, dx_bytes: int) -> Op:
-    """nn.RMSNorm on CUDA: torch's _fused_rms_norm, one kernel each way (a non-contiguous input's copy is its own,
-    as its workspace). Forward makes the output and the fp32 rstd; it keeps the input `x` (the residual stream's
-    tensor itself: the ledger's input term) and rstd; backward makes dX and the weight's gradient beside dY, then
-    dY, `x` and rstd go (`dx_bytes`: dX's size, its input's)."""
-    n = f"{p}/{where}" if p else where
-    rstd, dweight = kept_name(p, tensors.rstd), f"grad/{n}/dweight"
-    return Op(where, forward=(
-        Step("_fused_rms_norm: the output and rstd", (out, kept(p, tensors.rstd)), reads_last=(rstd,)),
-    ), backward=(
-        Step("_fused_rms_norm_backward: dX and the weight's gradient", (
-            Made(dx, dx_bytes, "the norm's dX"), Made(dweight, z.weight(where), WHY_WGRAD)),
-            frees=(grad, x), hands_over=(dweight,)),
-    ), saves=(tensors.rstd,))
-
-
-def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tuple[str, ...] = ()) -> tuple[Op, ...]:
-    """SP's all-gather along s at a module's entry (its plan declares the input Replicate): the shards into a (t, b,
-    s/t, h) buffer, concatenated into (b, s, h) (`out`, which the column-parallel linears keep), then `frees`. In
-    backward dX (`dx`, whole) made s-first and reduce-scattered into this rank's shard (`rs`). Under tp without SP
-    the paper's f: nothing in forward, dX all-reduced into a copy (`rs`) in backward. None at t = 1."""
-    if z.t > 1 and not z.sp:
-        return (Op(where, forward=(), backward=(
-            Step("f's backward: dX all-reduced into a copy", (Made(rs, z.full(z.h), "(b, s, h), summed"),),
-                 frees=(dx,)),)),)
-    if not z.sp:
-        return ()
-    n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
-    return (Op(where, forward=_all_gather(f"{n} gathered", out, z, "concatenated along s", frees),
-               backward=_reduce_scattered(f"{g} s-first", z, "dX", Made(rs, z.seq(z.h), "this rank's shard of dX"),
-                                          (dx,))),)
-
-
-def _all_gather(buffer: str, out: Made, z: Sizes, what: str, frees: tuple[str, ...]) -> tuple[Step, ...]:
-    """SP's all-gather along s: the shards into a (t, b, s/t, h) buffer, concatenated into (b, s, h) (`out`, `what`),
-    then the buffer and `frees` go. On DTensor at b = 1 the buffer, (t, 1, s/t, h), is (1, s, h) already: `out`."""
-    if z.dtensor and z.b == 1:
-        return (Step("the all-gather's output", (out,), frees=frees),)
-    return (Step("the all-gather's buffer", (Made(buffer, z.full(z.h), "(t, b, s/t, h)"),)),
-            Step(what, (out,), frees=(buffer, *frees)))
-
-
-def _reduce_scattered(name: str, z: Sizes, what: str, out: Made, frees: tuple[str, ...],
-                      label: str = "the reduce-scatter's output", then: tuple[str, ...] = ()) -> tuple[Step, ...]:
-    """SP's reduce-scatter along s of `what` into this rank's shard (`out`, made at `label`), then `frees` go, the
-    copy, and `then` (the module's own locals). Its input is first made (s, b, h)-contiguous (`name`): a copy, but at
-    b = 1, where the permuted view is (on DTensor a copy always: its reduce-scatter along s concatenates the chunks)."""
-    copy = () if z.b == 1 and not z.dtensor else (
-        Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
-    return (*copy, Step(label, (out,), frees=(*frees, name, *then)))
-
-
-def _gathered_dy(g: str, z: Sizes, gathered: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
-    """In backward, dY's shard all-gathered along s into the whole (`gathered`), then `frees` go. The shard is first
-    made contiguous (f"{g} dY") where the residual stream's gradient is a permuted view (`permuted_stream_grad`)."""
-    copy = () if not permuted_stream_grad(z) else (
-        Step("dY made contiguous", (Made(f"{g} dY", z.seq(z.h), "this rank's shard"),)),)
-    return (*copy, *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z,
-                                "concatenated along s: dY whole", (f"{g} dY", *frees)))
-
-
-def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathered: str,
-                   frees: tuple[str, ...]) -> tuple[Op, ...]:
-    """SP's reduce-scatter of a row-parallel linear's partial sum (`partial`) into this rank's shard (`out`); with it
-    `frees` go (the module returns). In backward dY's shard all-gathered whole (`gathered`), the shard itself kept
-    for the residual stream. Under tp without SP the paper's f*: the partial sum all-reduced into a copy (`out`), and
-    nothing in backward. None at t = 1."""
-    if z.t > 1 and not z.sp:
-        return (Op(where, forward=(Step("f*: the partial sum all-reduced into a copy", (
-            Made(out, z.full(z.h), "(b, s, h), summed"),), frees=(partial,)),), backward=()),)
-    if not z.sp:
-        return ()
-    return (Op(where, forward=_reduce_scattered(f"{p}/{where} s-first", z, "the partial sum", Made(
-        out, z.seq(z.h), "this rank's shard, summed"), (partial,), then=frees),
-               backward=_gathered_dy(f"grad/{p}/{where}", z, gathered)),)
+# -- the blocks -------------------------------------------------------------------------------------------------
 
 
 def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input"); with experts
-    the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
+    the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward); with kv_lora_rank
+    DeepSeek-V3's latent attention (memcalc.sizing.timeline.torchtitan_mla) in the attention's place."""
     p = f"layers.{i}"
     # on CUDA the residual stream after attention is ffn_norm's kept input (the ledger's ln2/input)
-    kept_mid = _stream_after_attention(z)
+    kept_mid = stream_after_attention(z)
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    attention = attention_ops(p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
+    if config.mla:
+        attention = torchtitan_mla.latent_attention_ops(p, z, config, mid, gmid, gx, h)
+    else:
+        attention = attention_ops(p, z, mid, gmid, gx, h, q, kv, config.qk_layernorm)
     # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
     dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):
@@ -456,50 +305,11 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         normed = Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in
         ffn = (*(gather("moe", z, p, moe_in, dx, dy) if gathered else ()),
                *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-               _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)))
+               _second_residual(x, mid, out, f"{p}/ffn out", h, keeps_input(z)))
     else:
-        gathered, normed = z.t > 1, _norm_out(z, p, "ffn_norm", rules.FC1_IN)
+        gathered, normed = z.t > 1, norm_out(z, p, "ffn_norm", rules.FC1_IN)
         ffn = (*gather("feed_forward", z, p, kept(p, rules.FC1_IN), dx, dy), *feed_forward_ops(p, z, x, mid, out, h))
     return (*attention, *pre_norm("ffn_norm", z, rules.LN2, p, normed, dy if gathered else dx, mid, gout, gmid), *ffn)
-
-
-def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
-    """A norm's output: the next module's kept input itself, or under SP the shard its all-gather reads."""
-    if z.sp:
-        return Made(f"{p}/{norm} out" if p else f"{norm} out", z.seq(z.h), "bf16, this rank's shard")
-    return kept(p, kept_input)
-
-
-def _keeps_input(z: Sizes) -> bool:
-    """Whether the norms keep their input, the residual stream's tensor itself: CUDA's fused kernel, and the CPU
-    composite in fp32 (its input.to(float32) a no-op)."""
-    return z.cuda or z.act == 4
-
-
-def _stream_after_attention(z: Sizes) -> SavedTensor | None:
-    """The ledger's term for the residual stream after attention where ffn_norm keeps it (its input on CUDA, its fp32
-    input in fp32 on a CPU); None where it is a local of the block."""
-    if z.cuda:
-        return rules.LN2.input
-    return rules.LN2.input_fp32 if z.act == 4 else None
-
-
-def pre_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, x: str, stream: str,
-             into: str) -> tuple[Op, ...]:
-    """A block's norm on the residual stream `x` (`norm`), and in backward its dX and the residual stream's gradient
-    `stream` summed into `into` as soon as the norm's returns (autograd does it inside the norm's window): listed
-    before the norm, so it runs after it. The forward sum is the branch's last op. On CUDA autograd adds dX into the
-    residual stream's gradient, which it holds alone (its input buffer's in-place accumulation, after a fused norm's
-    node as after native_layer_norm's; not after the CPU composite's), making nothing. The CPU composite in fp32,
-    whose input is the stream's tensor itself, adds x's gradients into the stream's itself (`norm`'s `stream`), with
-    no sum of its own."""
-    if z.act == 4 and not z.cuda:
-        return (norm(where, z, tensors, p, out, grad, into, x, stream=stream),)
-    dx = f"grad/{p}/{where} dx"
-    summed = Step("the residual stream's gradients summed", (Made(
-        into, z.seq(z.h), "the residual stream's gradient: both paths' summed"),), frees=(dx, stream),
-        moment=not z.cuda)
-    return (Op(where, forward=(), backward=(summed,)), norm(where, z, tensors, p, out, grad, dx, x))
 
 
 def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int,
@@ -509,16 +319,13 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     qkv = z.tokens(z.act * z.qkv_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = kept_name(p, rules.WO_OUT)  # its partial sum under tp, which SelectiveAC caches where wqkv is forced
-    attention_out = f"{p}/attention out" if z.t > 1 else wo_out
-    kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
-    kept_mid = _stream_after_attention(z)
     # SDPA's dQ and dK live until v's node runs: ModTracker leaves the attention kernel in backward by a multi-grad
     # hook on its three inputs (head_norm_ops), which holds the first two gradients until the last one's node starts.
     # That is v's contiguous copy, in the split: after ComplexRoPE's backward, which frees them as it returns, but
     # after the head norms', whose nodes are newer than the split's
     held = (Step("the attention kernel's hook lets dQ and dK go", frees=(f"{g}/dq", f"{g}/dk")),) if qwen3 else ()
     return (
-        *pre_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
+        *pre_norm("attention_norm", z, rules.LN1, p, norm_out(z, p, "attention_norm", rules.QKV_IN),
                   f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"{p}/input", gmid, gx),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
@@ -533,24 +340,13 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")))),
         *(head_norm_ops(p, z, q, kv) if qwen3 else ()),
         cos_sin_rope_op(p, z, q, kv) if qwen3 else rope_ops(p, z, q, kv),
-        Op(f"{a}.inner_attention",
-           # SDPA's flash kernel; on CUDA compiled flex, whose Inductor buffers (the row maxima, backward's delta) are
-           # its workspace
-           forward=(Step(f"{kernel}: output and log-sum-exp", (kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)),
-                         reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
-           backward=(Step(f"{kernel}'s backward: dQ, dK, dV", (
-               Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"), Made(f"{g}/dv", kv, "bf16")),
-               frees=(f"{g}/dout",)),),
-           saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
+        attention_kernel(p, z, (q, kv, kv), (ledger.Q, ledger.K, ledger.V), ledger.PROJ_IN),
         *module_returns((
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.weight(f"{a}.wo"),
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
-        Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm keeps"
-                                                               " it") if kept_mid else
-                                               Made(mid, h, "the residual stream after attention"),),
-                             frees=(attention_out,)),), backward=()),
+        first_residual(p, z, mid, h, f"{p}/attention out" if z.t > 1 else wo_out),
     )
 
 
@@ -669,48 +465,6 @@ def _cos_sin_backward(p: str, z: Sizes, q: int, kv: int) -> tuple[Step, ...]:
             Step("q.float()'s backward: to bf16", (Made(f"{g}/dq normed", q, "bf16"),), frees=(total("q"),)))
 
 
-def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
-    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept); in fp32 .float() and type_as
-    are no-ops, the complex products Q and K themselves. On CUDA's flex path, given the batch's positions, the table is
-    first gathered at them (kept by both products, until q's backward)."""
-    g, gathered, cast = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE), z.act != 4
-    fp32q, fp32k = 4 * q // z.act, 4 * kv // z.act  # the fp32 copies and their complex64 products
-    # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
-    table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
-    gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
-    pre = (f"{p}/q pre-rope", f"{p}/k pre-rope")
-
-    def conjugate(x: str, nbytes: int, *frees: str, returns: bool = False) -> tuple[Step, ...]:
-        """dX (cast up to fp32) times the table's conjugate; in fp32 that is x's gradient before RoPE."""
-        into = Made(f"{g}/d{x} rotated", nbytes, "complex64") if cast else Made(
-            f"{g}/d{x} pre-rope", nbytes, "complex64, seen as real")
-        return (Step(f"the table's conjugate, for {x}", (Made(f"{g}/conj {x}", table, "complex64"),)),
-                Step(f"d{x.upper()} times it", (into,), frees=(f"{g}/conj {x}", *frees), returns=returns))
-    if not cast:
-        forward = (Step("q times the table: Q", (kept(p, ledger.Q),)),
-                   Step("k times the table: K", (kept(p, ledger.K),), frees=pre, reads_last=(gathered,)))
-        backward = (*conjugate("k", fp32k), *conjugate("q", fp32q, f"{g}/dq", f"{g}/dk", returns=True))
-    else:
-        forward = (Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
-                   Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
-                   Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
-                   Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
-                   Step("q cast back", (kept(p, ledger.Q),)),
-                   Step("k cast back", (kept(p, ledger.K),), frees=(
-                       f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", *pre),
-                       reads_last=(gathered,)))  # the gathered table: a local of its forward
-        backward = (
-            Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
-            Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
-            *conjugate("k", fp32k, f"{g}/dk fp32"),
-            *conjugate("q", fp32q, f"{g}/dq fp32", returns=True),
-            Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
-            Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
-                 frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
-        )
-    return Op("attention.rope", (*gather, *forward), backward, saves=(rules.ROPE_CACHE,) if z.cuda else ())
-
-
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
     m, g, f = "feed_forward", f"grad/{p}/feed_forward", z.tokens(z.act * z.f_t)
@@ -724,7 +478,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(x, mid, out, ffn_out, h, _keeps_input(z)),
+        _second_residual(x, mid, out, ffn_out, h, keeps_input(z)),
     )
 
 
@@ -841,10 +595,10 @@ def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
         return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
             Made("layers.0/input", full, "(b, s, h), summed"),), frees=(f"{e}/partial",))), backward=masked)
     first = Made("layers.0/input", z.seq(z.h), "(b, s/t, h)")
-    scattered = _reduce_scattered(f"{e}/s-first", z, "the partial sum", first, (f"{e}/partial",),
+    scattered = reduce_scattered(f"{e}/s-first", z, "the partial sum", first, (f"{e}/partial",),
                                   "the reduce-scatter's output: the first block's input")
     return Op("tok_embeddings", forward=(*lookup, *scattered),
-              backward=(*_gathered_dy(f"grad/{e}", z, f"grad/{e} gathered", ("grad/layers.0/input",)), *masked))
+              backward=(*gathered_dy(f"grad/{e}", z, f"grad/{e} gathered", ("grad/layers.0/input",)), *masked))
 
 
 def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[Op, ...]:
@@ -875,11 +629,11 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
     if z.t > 1:
         loss = _loss_parallel(z, pipelined)
     return (
-        norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+        norm("norm", z, rules.FINAL_NORM, "", norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
              "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
              frees=() if z.sp else (last,)),
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
+                frees=("norm out",) if keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
                dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),

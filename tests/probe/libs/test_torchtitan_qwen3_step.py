@@ -18,7 +18,7 @@ from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, readings_of_the_measured_step  # noqa: E402
+from ..step_readings import assert_step_exact, assert_step_exact_moment_by_moment  # noqa: E402
 
 CPU = Accounting(exact=True, device="cpu")
 QWEN3 = {"qk_layernorm": True, "kv_channels": 12}  # its Qwen3 attention: 8 heads of 12 channels, not h/a = 8
@@ -54,14 +54,7 @@ MOE_CASES = [
 
 
 def _assert_exact(config, strategy, route=None):
-    """MemTracker's step: every moment the timeline names among its readings, in order; its peak at the moment
-    named, each category there and the state between steps to the byte."""
-    with readings_of_the_measured_step() as readings:
-        (r,) = measure_step(config, [strategy], route=route)
-    assert r.model.startswith("torchtitan's Qwen3Model")
-    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], readings)
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert_step_exact_moment_by_moment(config, strategy, "torchtitan's Qwen3Model", route)
 
 
 def test_the_chosen_sizes_put_the_peak_in_its_qwen3_attention_too():
@@ -104,8 +97,7 @@ def test_with_experts_its_qwen3_moe_step_is_memtrackers(one_thread, changes, str
 ], ids=str)
 def test_as_cuda_runs_it_its_qwen3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route):
     (r,) = measure_step(make_config(LLAMA3, **(QWEN3 | changes)), [strategy], route=route, device="cuda")
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert_step_exact(r)
 
 
 @pytest.mark.parametrize("changes, strategy", [
@@ -116,5 +108,4 @@ def test_as_cuda_runs_it_its_qwen3_step_reaches_the_peak_to_the_byte(one_thread,
 ], ids=str)
 def test_sharded_and_pipelined_its_qwen3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy):
     for r in measure_step(make_config(LLAMA3, **(QWEN3 | changes)), [strategy]):
-        assert r.measured.moment == r.predicted_moment
-        assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+        assert_step_exact(r)
