@@ -102,3 +102,14 @@ def test_as_cuda_runs_it_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_t
 def test_sharded_and_pipelined_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route):
     for r in measure_step(make_config(LLAMA3, **(DSV3 | changes)), [strategy], route=route):
         assert_step_exact(r)
+
+
+@pytest.mark.parametrize("changes, strategy", [
+    ({"t": 2, "b": 2, "s": 9, "moe_shared_expert_intermediate_size": 8}, "tp"),  # shared w1, w3 (h, 8/2): E = 4
+    (Q_LATENT | {"t": 2, "b": 2, "s": 10, "moe_shared_expert_intermediate_size": 8}, "tp-sp"),
+    ({"t": 2, "b": 1, "s": 9, "num_experts": 28}, "tp"),  # wkv_a's (h, 24 + 4): E = 28
+], ids=str)
+def test_under_selective_ac_a_weight_of_the_gate_shape_shifts_what_its_moe_step_caches(one_thread, changes, strategy):
+    """SelectiveAC recomputes a matmul whose weight on a rank is the router gate's (h, E), uncounted: the step caches
+    the shifted set (the ledger's op_checkpoint at these sizes), as MemTracker measures it."""
+    _assert_exact(make_config(LLAMA3, **(DSV3 | MOE | changes), recompute="op"), strategy, "balanced")
