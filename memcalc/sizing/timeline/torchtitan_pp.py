@@ -84,7 +84,7 @@ class _Schedule:
     stage: Stage
     fsdp: Fsdp | None = None
     made: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> what its forward left live
-    forwards: dict[int, tuple[_Walked, _Walked]] = field(default_factory=dict)  # micro-batch -> its chunk's and loss's
+    forwards: dict[int, _Walked] = field(default_factory=dict)  # micro-batch -> its forward's last walk
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
     walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by `_walk`'s key
@@ -99,29 +99,32 @@ class _Schedule:
         # the segments walked (each walk walks a copy): CUDA's flex inputs, the chunk and the loss
         self.flex = [parts.ends(None, "", (Op("", forward=flex_inputs(parts.z), backward=()),))]
         self.chunk, self.loss = parts.chunk(self.stage, layers, pipelined=True)
-        self.names = tuple(set().union(*(x.walk.names(x.ops) for x in (*self.flex, *self.chunk, *self.loss))))
+        # the names each walk touches (`found`): CUDA's flex inputs', and the chunk's with the loss's
+        self.flex_names, self.names = (tuple(set().union(*(x.walk.names(x.ops) for x in walks)))
+                                       for walks in (self.flex, (*self.chunk, *self.loss)))
 
     def load(self, j: int) -> None:
         """Micro-batch j's positions and block mask (CUDA's flex attention reads them), made: live all step."""
-        self.parts.tape.rename_all({x: apart(j, x) for x in self._walk(("flex",), self.flex).made})
+        self.parts.tape.rename_all({x: apart(j, x) for x in self._walk(("flex",), self.flex, self.flex_names).made})
 
     def forward(self, j: int) -> None:
         tape = self.parts.tape
-        chunk = self._walk(("chunk",), self.chunk)
+        chunk = self._walk(("chunk",), self.chunk, self.names)
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
             tape.drop(apart(self.latest, self.output))
         self.latest = j
-        loss = self._walk(("loss", chunk), self.loss, before=(chunk,))
+        # the loss (on the last stage: elsewhere none), walked after the chunk; its backward follows it
+        last = self._walk(("loss", chunk), self.loss, self.names, before=(chunk,)) if self.loss else chunk
         # FSDP2's unsharded units are the stage's, not the micro-batch's
-        self.forwards[j], self.made[j] = (chunk, loss), [x for x in loss.made if not x.startswith(FSDP)]
+        self.forwards[j], self.made[j] = last, [x for x in last.made if not x.startswith(FSDP)]
         tape.rename_all({x: apart(j, x) for x in self.made[j]})
 
     def backward(self, j: int) -> None:
         tape = self.parts.tape
         # but the output, which its backward's rerun (under a checkpoint) makes again
         tape.rename_all({apart(j, x): x for x in self.made.pop(j) if x != self.output})
-        chunk, loss = self.forwards.pop(j)
-        self._walk(("backward", loss), [*chunk.segments, *loss.segments], backward=True)
+        last = self.forwards.pop(j)
+        self._walk(("backward", last), last.segments, self.names, backward=True)
         self.done.add(j)
         if self.latest != j:
             tape.drop(apart(j, self.output))
@@ -132,13 +135,15 @@ class _Schedule:
             tape.drop(apart(j - 1, self.sent))
             tape.rename(self.sent, apart(j, self.sent))
 
-    def _walk(self, what: tuple[object, ...], segments: list[Segment], backward: bool = False,
-              before: tuple[_Walked, ...] = ()) -> _Walked:
+    def _walk(self, what: tuple[object, ...], segments: list[Segment], names: tuple[str, ...],
+              backward: bool = False, before: tuple[_Walked, ...] = ()) -> _Walked:
         """The forward (or `backward`, last first) of copies of `segments` (their walks as they are) on the tape,
-        replayed if walked before as `what` (the walk, and the forward it follows) under the same tensors, else
-        walked and traced; a forward also says what it left live, with the walks of the same forward `before` it."""
+        replayed if walked before as `what` (the walk, and the forward it follows) under the same tensors (under
+        `names`, those its ops know), else walked and traced; a forward also says what it left live, with the walks
+        of the same forward `before` it, and its segments as it left them (the state its backward walks from: after
+        the loss, the chunk's and the loss's)."""
         tape = self.parts.tape
-        found = self.found()
+        found = self.found(names)
         key = (*what, found)  # the walk's kind, the walk it follows (a _Walked, by identity), the tensors found
         done = self.walked.get(key)
         if done is not None:
@@ -149,15 +154,16 @@ class _Schedule:
         made_here = (x.name for x in done.trace.log if type(x) is not str)
         self.fsdp_names |= dict.fromkeys(x for x in made_here if x.startswith(FSDP))
         if not backward:  # the walks' state, from which a micro-batch's backward walks
-            done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
+            ahead = [y for x in before for y in x.segments]
+            done.segments = [*ahead, *(replace(x, walk=x.walk.copy()) for x in walks)]
             first = before[0] if before else done  # the forward's first walk: what was live before it
             done.made = made(first.found, *(x.trace for x in (*before, done)))
         return done
 
-    def found(self) -> tuple[Live, ...]:
-        """The tensors live under the names the stage's ops know (a Live names itself), and FSDP2's: any live was
-        made by a walk traced before (`fsdp_names`)."""
-        return tuple(filter(None, map(self.parts.tape.live.get, (*self.names, *self.fsdp_names))))
+    def found(self, names: tuple[str, ...]) -> tuple[Live, ...]:
+        """The tensors live under `names` (a Live names itself), and FSDP2's: any live was made by a walk traced
+        before (`fsdp_names`)."""
+        return tuple(filter(None, map(self.parts.tape.live.get, (*names, *self.fsdp_names))))
 
     def _segments(self, walks: list[Segment], backward: bool) -> None:
         """The forward of `walks` (or their `backward`, last first), under FSDP2 with its hooks: in forward the
