@@ -116,7 +116,7 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
     walk, live_before = _Schedule._walk, set()
 
     def walk_anew(self, what, segments, names, backward=False, before=()):
-        self.walked.clear()  # nothing to replay
+        self.replays.done.clear()  # nothing to replay
         live = self.parts.tape.live
         if not before:  # a forward's first walk
             live_before.clear()
@@ -150,9 +150,9 @@ def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is
     walk, outside = _Schedule._walk, set()
 
     def walk_anew(self, what, segments, names, backward=False, before=()):
-        self.walked.clear()  # every micro-batch walked, none replayed
+        self.replays.done.clear()  # every micro-batch walked, none replayed
         done = walk(self, what, segments, names, backward, before)
-        logged = {x if isinstance(x, str) else x.name for x in done.trace.log}
+        logged = {x if isinstance(x, str) else x.name for x in done.log}
         outside.update(logged - set(names) - set(self.fsdp_names))
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
@@ -172,7 +172,7 @@ def test_the_replay_is_keyed_on_the_tensors_found_so_a_walk_finding_others_is_wa
             self.parts.tape.add(self.sent, ACTIVATIONS, 7, "a stranger")
         forward(self, j)
         self.parts.tape.drop(self.sent)
-        keys.append(len(self.walked))
+        keys.append(len(self.replays.done))
     monkeypatch.setattr(_Schedule, "forward", forward_beside_a_stranger)
     replayed = timelines(config, STRATEGIES["none"], accounting)
     assert keys[0] < keys[1]  # micro-batch 1's forward was traced anew, not replayed from micro-batch 0's
@@ -180,7 +180,7 @@ def test_the_replay_is_keyed_on_the_tensors_found_so_a_walk_finding_others_is_wa
     walk = _Schedule._walk
 
     def walk_anew(self, what, segments, names, backward=False, before=()):
-        self.walked.clear()
+        self.replays.done.clear()
         return walk(self, what, segments, names, backward, before)
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
     walked = timelines(config, STRATEGIES["none"], accounting)
