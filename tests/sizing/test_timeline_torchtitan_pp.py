@@ -115,13 +115,13 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
     replayed = timelines(config, STRATEGIES[strategy], accounting)
     walk, live_before = _Schedule._walk, set()
 
-    def walk_anew(self, what, segments, backward=False, before=()):
-        self.walked.clear()  # nothing to replay
+    def walk_anew(self, what, segments, names, backward=False, before=()):
+        self.replays.done.clear()  # nothing to replay
         live = self.parts.tape.live
         if not before:  # a forward's first walk
             live_before.clear()
             live_before.update(live)
-        done = walk(self, what, segments, backward, before)
+        done = walk(self, what, segments, names, backward, before)
         assert backward or done.made == [x for x in live if x not in live_before]
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
@@ -143,17 +143,17 @@ def test_each_micro_batch_replayed_makes_the_moments_and_tensors_its_own_walk_wo
 ])
 def test_a_micro_batchs_walk_changes_the_tape_only_under_the_names_its_replay_is_keyed_on(monkeypatch, changes,
                                                                                           device, strategy):
-    """The replay is exact only if a walk changes no tensor outside the stage's `names` and FSDP2's that walks
-    traced before made (`fsdp_names`, all of which its key holds): every change its trace logs (a tensor made, freed
-    or renamed) is under one of them."""
+    """The replay is exact only if a walk changes no tensor outside its own `names` and FSDP2's that walks traced
+    before made (`fsdp_names`, all of which its key holds): every change its trace logs (a tensor made, freed or
+    renamed) is under one of them."""
     config = make_config(LLAMA3, **({"pp": 2} | changes))
     walk, outside = _Schedule._walk, set()
 
-    def walk_anew(self, what, segments, backward=False, before=()):
-        self.walked.clear()  # every micro-batch walked, none replayed
-        done = walk(self, what, segments, backward, before)
-        logged = {x if isinstance(x, str) else x.name for x in done.trace.log}
-        outside.update(logged - set(self.names) - set(self.fsdp_names))
+    def walk_anew(self, what, segments, names, backward=False, before=()):
+        self.replays.done.clear()  # every micro-batch walked, none replayed
+        done = walk(self, what, segments, names, backward, before)
+        logged = {x if isinstance(x, str) else x.name for x in done.log}
+        outside.update(logged - set(names) - set(self.fsdp_names))
         return done
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
     timelines(config, STRATEGIES[strategy], Accounting(exact=True, device=device))
@@ -172,16 +172,16 @@ def test_the_replay_is_keyed_on_the_tensors_found_so_a_walk_finding_others_is_wa
             self.parts.tape.add(self.sent, ACTIVATIONS, 7, "a stranger")
         forward(self, j)
         self.parts.tape.drop(self.sent)
-        keys.append(len(self.walked))
+        keys.append(len(self.replays.done))
     monkeypatch.setattr(_Schedule, "forward", forward_beside_a_stranger)
     replayed = timelines(config, STRATEGIES["none"], accounting)
     assert keys[0] < keys[1]  # micro-batch 1's forward was traced anew, not replayed from micro-batch 0's
 
     walk = _Schedule._walk
 
-    def walk_anew(self, what, segments, backward=False, before=()):
-        self.walked.clear()
-        return walk(self, what, segments, backward, before)
+    def walk_anew(self, what, segments, names, backward=False, before=()):
+        self.replays.done.clear()
+        return walk(self, what, segments, names, backward, before)
     monkeypatch.setattr(_Schedule, "_walk", walk_anew)
     walked = timelines(config, STRATEGIES["none"], accounting)
     for ours, theirs in zip(replayed, walked, strict=True):

@@ -434,7 +434,7 @@ class Replays:
         found = (kind, tuple(filter(None, map(self.tape.live.get, names))))
         if found in self.done:
             trace, traced_in, result = self.done[found]
-            self.tape.replay(trace, (traced_in, module))
+            self.tape.replay(trace, None if traced_in == module else (traced_in, module))
             return result  # type: ignore[return-value]  # what the same walk returned
         results: list[R] = []
         trace = self.tape.traced(lambda: results.append(walk()))

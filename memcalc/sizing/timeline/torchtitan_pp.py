@@ -14,7 +14,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Live, Sizes, Tape, Timeline, Trace, bulk
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Live, Replays, Sizes, Tape, Timeline, bulk
 from memcalc.sizing.timeline.fsdp import Fsdp
 from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts, stage_layers
 from memcalc.sizing.timeline.walk import Op
@@ -75,7 +75,7 @@ class _Schedule:
     Every micro-batch runs the same ops, and a walk of them reads and writes the tape only under the names they know
     (`names`), never another micro-batch's, renamed apart: where it finds the same tensors under those names as an
     earlier micro-batch's walk did (in backward, after the same forward: its walks' state), it does what that one
-    did, which is replayed (`Tape.replay`) rather than walked again. Under FSDP2 its hooks run at each segment's
+    did, which is replayed (`Replays`) rather than walked again. Under FSDP2 its hooks run at each segment's
     edges, on the stage's units, whose tensors (every name under fsdp/) its walks find too: each unit gathered by the
     first forward and kept unsharded (torchtitan's policy under pp), each gradient kept unreduced to the step's end
     (`Fsdp.accumulate_unsynced`)."""
@@ -83,11 +83,10 @@ class _Schedule:
     parts: Parts
     stage: Stage
     fsdp: Fsdp | None = None
-    made: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> what its forward left live
-    forwards: dict[int, tuple[_Walked, _Walked]] = field(default_factory=dict)  # micro-batch -> its chunk's and loss's
+    made: dict[int, dict[str, str]] = field(default_factory=dict)  # micro-batch -> what its forward left live, apart
+    forwards: dict[int, _Walked] = field(default_factory=dict)  # micro-batch -> its forward's last walk
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
-    walked: dict[tuple, _Walked] = field(default_factory=dict)  # the walks traced, by `_walk`'s key
     fsdp_names: dict[str, None] = field(default_factory=dict)  # FSDP2's tensors the walks traced made, in order
 
     def __post_init__(self) -> None:
@@ -96,32 +95,36 @@ class _Schedule:
         # its input, which it sends (but on the first stage)
         self.output = "lm_head/logits" if self.stage.has_output else f"layers.{layers.stop}/input"
         self.sent = f"grad/layers.{layers.start}/input"
+        self.replays = Replays(parts.tape)  # the walks done, replayed where they would do the same
         # the segments walked (each walk walks a copy): CUDA's flex inputs, the chunk and the loss
         self.flex = [parts.ends(None, "", (Op("", forward=flex_inputs(parts.z), backward=()),))]
         self.chunk, self.loss = parts.chunk(self.stage, layers, pipelined=True)
-        self.names = tuple(set().union(*(x.walk.names(x.ops) for x in (*self.flex, *self.chunk, *self.loss))))
+        # the names each walk touches (`found`): CUDA's flex inputs', and the chunk's with the loss's
+        self.flex_names, self.names = (tuple(set().union(*(x.walk.names(x.ops) for x in walks)))
+                                       for walks in (self.flex, (*self.chunk, *self.loss)))
 
     def load(self, j: int) -> None:
         """Micro-batch j's positions and block mask (CUDA's flex attention reads them), made: live all step."""
-        self.parts.tape.rename_all({x: apart(j, x) for x in self._walk(("flex",), self.flex).made})
+        self.parts.tape.rename_all({x: apart(j, x) for x in self._walk(("flex",), self.flex, self.flex_names).made})
 
     def forward(self, j: int) -> None:
         tape = self.parts.tape
-        chunk = self._walk(("chunk",), self.chunk)
+        chunk = self._walk(("chunk",), self.chunk, self.names)
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
             tape.drop(apart(self.latest, self.output))
         self.latest = j
-        loss = self._walk(("loss", chunk), self.loss, before=(chunk,))
+        # the loss (on the last stage: elsewhere none), walked after the chunk; its backward follows it
+        last = self._walk(("loss", chunk), self.loss, self.names, before=(chunk,)) if self.loss else chunk
         # FSDP2's unsharded units are the stage's, not the micro-batch's
-        self.forwards[j], self.made[j] = (chunk, loss), [x for x in loss.made if not x.startswith(FSDP)]
-        tape.rename_all({x: apart(j, x) for x in self.made[j]})
+        self.forwards[j], self.made[j] = last, {x: apart(j, x) for x in last.made if not x.startswith(FSDP)}
+        tape.rename_all(self.made[j])
 
     def backward(self, j: int) -> None:
         tape = self.parts.tape
         # but the output, which its backward's rerun (under a checkpoint) makes again
-        tape.rename_all({apart(j, x): x for x in self.made.pop(j) if x != self.output})
-        chunk, loss = self.forwards.pop(j)
-        self._walk(("backward", loss), [*chunk.segments, *loss.segments], backward=True)
+        tape.rename_all({new: old for old, new in self.made.pop(j).items() if old != self.output})
+        last = self.forwards.pop(j)
+        self._walk(("backward", last), last.segments, self.names, backward=True)
         self.done.add(j)
         if self.latest != j:
             tape.drop(apart(j, self.output))
@@ -132,32 +135,31 @@ class _Schedule:
             tape.drop(apart(j - 1, self.sent))
             tape.rename(self.sent, apart(j, self.sent))
 
-    def _walk(self, what: tuple[object, ...], segments: list[Segment], backward: bool = False,
-              before: tuple[_Walked, ...] = ()) -> _Walked:
+    def _walk(self, what: tuple[object, ...], segments: list[Segment], names: tuple[str, ...],
+              backward: bool = False, before: tuple[_Walked, ...] = ()) -> _Walked:
         """The forward (or `backward`, last first) of copies of `segments` (their walks as they are) on the tape,
-        replayed if walked before as `what` (the walk, and the forward it follows) under the same tensors, else
-        walked and traced; a forward also says what it left live, with the walks of the same forward `before` it."""
+        replayed (`Replays`) if walked before as `what` (the walk, and the forward it follows) under the same
+        tensors under `names` (those its ops know) and FSDP2's (`fsdp_names`: any live was made by a walk traced
+        before), else walked; a forward also says what it left live, with the walks of the same forward `before` it,
+        and its segments as it left them (the state its backward walks from: after the loss, the chunk's and the
+        loss's)."""
         tape = self.parts.tape
-        found = self.found()
-        key = (*what, found)  # the walk's kind, the walk it follows (a _Walked, by identity), the tensors found
-        done = self.walked.get(key)
-        if done is not None:
-            tape.replay(done.trace)
-            return done
-        walks = [replace(x, walk=x.walk.copy()) for x in segments]
-        self.walked[key] = done = _Walked(found, tape.traced(lambda: self._segments(walks, backward)))
-        made_here = (x.name for x in done.trace.log if type(x) is not str)
-        self.fsdp_names |= dict.fromkeys(x for x in made_here if x.startswith(FSDP))
-        if not backward:  # the walks' state, from which a micro-batch's backward walks
-            done.segments = [replace(x, walk=x.walk.copy()) for x in walks]
-            first = before[0] if before else done  # the forward's first walk: what was live before it
-            done.made = made(first.found, *(x.trace for x in (*before, done)))
-        return done
+        names = (*names, *self.fsdp_names)
 
-    def found(self) -> tuple[Live, ...]:
-        """The tensors live under the names the stage's ops know (a Live names itself), and FSDP2's: any live was
-        made by a walk traced before (`fsdp_names`)."""
-        return tuple(filter(None, map(self.parts.tape.live.get, (*self.names, *self.fsdp_names))))
+        def walk() -> _Walked:
+            walks, at = [replace(x, walk=x.walk.copy()) for x in segments], len(tape.live.log)
+            found = tuple(filter(None, map(tape.live.get, names)))
+            self._segments(walks, backward)
+            done = _Walked(found, tuple(tape.live.log[at:]))
+            made_here = (x.name for x in done.log if type(x) is not str)
+            self.fsdp_names |= dict.fromkeys(x for x in made_here if x.startswith(FSDP))
+            if not backward:  # the walks' state, from which a micro-batch's backward walks
+                ahead = [y for x in before for y in x.segments]
+                done.segments = [*ahead, *(replace(x, walk=x.walk.copy()) for x in walks)]
+                first = before[0] if before else done  # the forward's first walk: what was live before it
+                done.made = made(first.found, *(x.log for x in (*before, done)))
+            return done
+        return self.replays.run(what, names, "", walk)  # the walk's kind, the walk it follows (by identity)
 
     def _segments(self, walks: list[Segment], backward: bool) -> None:
         """The forward of `walks` (or their `backward`, last first), under FSDP2 with its hooks: in forward the
@@ -182,21 +184,22 @@ class _Schedule:
 
 @dataclass(eq=False)
 class _Walked:
-    """A walk traced once: the tensors it found under the names the stage's ops know (`found`), what it did
-    (`trace`), and after a forward its segments as it left them (the state a micro-batch's backward walks from)."""
+    """A walk done once: the tensors it found under the names its ops know (`found`), its changes to the live
+    tensors (`log`), and after a forward its segments as it left them (the state a micro-batch's backward walks
+    from)."""
 
     found: tuple[Live, ...]
-    trace: Trace
+    log: tuple[Live | str, ...]
     segments: list[Segment] = field(default_factory=list)
     made: list[str] = field(default_factory=list)  # a forward: what it left live (with the walks before it)
 
 
-def made(found: tuple[Live, ...], *traces: Trace) -> list[str]:
-    """The names traced walks left live, in order, that were not live before them (when `found` was, of every name
-    they touch)."""
+def made(found: tuple[Live, ...], *logs: tuple[Live | str, ...]) -> list[str]:
+    """The names walks left live, in order, that were not live before them (when `found` was, of every name they
+    touch), from their changes to the live tensors (`logs`)."""
     live = {x.name: x for x in found}
-    for trace in traces:
-        for x in trace.log:
+    for log in logs:
+        for x in log:
             if type(x) is str:
                 del live[x]
             else:
