@@ -172,8 +172,10 @@ def _one_value(name: str, fields: dict[str, Any], ranges: dict[str, Sequence[int
     """The one whole number a size takes in the sweep (the config's, or an axis of one value), None where it varies
     (or is not a whole number: validation names it later)."""
     values = ranges.get(name, (fields.get(name),))
+    if type(values[0]) is not int:  # a list or a mapping in the config is unhashable: validation refuses it later
+        return None
     one = values[0] == values[-1] and (isinstance(values, range) or len(set(values)) == 1)
-    return values[0] if one and type(values[0]) is int else None
+    return values[0] if one else None
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:
