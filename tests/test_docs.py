@@ -67,13 +67,13 @@ def test_docgen_write_replaces_each_page_whole(tmp_path, monkeypatch, rendered):
 def test_impl_pages_list_each_size_condition_once_with_its_tensors_sharing_a_reason_on_one_line():
     """SelectiveAC's shifted count decides every matmul output of a block: one line for that block, each tensor on
     it, not a line a tensor repeating the reason."""
-    from memcalc.docgen.impls import _size_conditions
     from memcalc.model.impls import IMPLEMENTATIONS
 
-    impl = IMPLEMENTATIONS["torchtitan"]
-    lines = [x for x in _size_conditions(impl).splitlines() if x.startswith("- ")]
-    reasons = {c.what for c in impl.size_conditions}
-    assert len(lines) == len(reasons) < len(impl.size_conditions)
-    for c in impl.size_conditions:
+    conditions = IMPLEMENTATIONS["torchtitan"].size_conditions
+    page = next(text for path, text in memcalc.docgen.pages().items() if path.name == "impl-torchtitan.md")
+    section = page.split("## Where the sizes matter")[1].split("\n## ")[0]
+    lines = [x for x in section.splitlines() if x.startswith("- ")]
+    assert len(lines) == len({c.what for c in conditions}) < len(conditions)
+    for c in conditions:
         line = next(x for x in lines if c.what[1:] in x)
         assert f"`{c.tensor.name}`" in line

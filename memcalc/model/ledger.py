@@ -329,10 +329,6 @@ LOSS_LOGITS = SavedTensor(
     "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", (Dim.B, Dim.S, Dim.V), Kind.FP32, Region.TENSOR,
     "the loss's gradient is softmax(logits) - onehot(target), from the fp32 softmax kept in forward", stage="last",
 )
-# transformers' lm_head under tp gathers the logits whole on every rank (its tp plan's colwise_gather_output), and
-# ForCausalLMLoss keeps their fp32 log_softmax: the same bytes as the loss's fp32 logits, not split by t.
-HF_LOSS_LOGITS = replace(LOSS_LOGITS, saved_by="cross-entropy (transformers' ForCausalLMLoss, on the gathered logits)",
-                         region=Region.REPLICATED)
 # Gemma 2's final_logit_softcapping c (transformers' Gemma2ForCausalLM.forward): logits / c, tanh, then * c, which the
 # loss reads. Dividing and multiplying by a number keep nothing; tanh keeps its output, whole on every rank (the
 # model's tp plan gathers the logits before it).

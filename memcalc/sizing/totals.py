@@ -38,10 +38,9 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
         absent.add(ledger.FINAL_NORM.mean)  # RMSNorm keeps no mean
     if config.final_logit_softcapping is None:
         absent.add(ledger.LOGITS_SOFTCAP_TANH)
-    kept = (x for x in ledger.END_TENSORS if x.stage == stage and x not in absent)
-    if config.impl == "hf":  # its loss reads the logits lm_head gathers whole
-        kept = (ledger.HF_LOSS_LOGITS if x is ledger.LOSS_LOGITS else x for x in kept)
-    return drop_small(kept, accounting)
+    own = {x.name: x for x in implementation(config).ends}  # transformers' loss reads the logits gathered whole
+    return drop_small((own.get(x.name, x) for x in ledger.END_TENSORS if x.stage == stage and x not in absent),
+                      accounting)
 
 
 def end_bytes(x: SavedTensor, config: ModelConfig, strategy: Strategy, accounting: Accounting) -> int:

@@ -249,8 +249,6 @@ def test_the_distributed_optimizers_buffers_are_counted_padded_as_megatron_core_
         {name: n for name, n in terms.items() if name.startswith("states/")}
 
 
-
-
 @pytest.mark.parametrize("t", [1, 2])
 def test_impl_hf_loss_term_is_whole_on_every_rank_as_the_step_keeps_its_log_softmax(t):
     """transformers' lm_head under tp gathers the logits whole on every rank (its tp plan's colwise_gather_output):
@@ -259,4 +257,5 @@ def test_impl_hf_loss_term_is_whole_on_every_rank_as_the_step_keeps_its_log_soft
     config = build_config(LLAMA_HF | {"t": t})
     (only,) = per_gpu(config, TP if t > 1 else NONE).stages
     kept = {x.name: x.bytes for m in timeline(config, TP if t > 1 else NONE).moments for x in m.live}
-    assert _terms(only)["loss/logits_fp32"] == kept["loss/log_softmax"] == 4 * LLAMA_HF["b"] * LLAMA_HF["s"] * LLAMA_HF["vocab_size"]
+    whole = 4 * LLAMA_HF["b"] * LLAMA_HF["s"] * LLAMA_HF["vocab_size"]
+    assert _terms(only)["loss/logits_fp32"] == kept["loss/log_softmax"] == whole

@@ -142,6 +142,7 @@ class Implementation:
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
     size_rule: SizeRule | None = None  # where what is kept depends on the sizes, not only the knobs
     size_conditions: tuple[SizeCondition, ...] = ()  # single tensors kept as written only at some sizes
+    ends: tuple[SavedTensor, ...] = ()  # the model's end tensors it keeps its own way, for the ledger's of their names
     # For a knob set, how many copies of the model-wide tensors (ledger.SavedTensor.model_wide) a model chunk of
     # `layers` layers keeps (numbers or arrays): the model makes one for every layer that reads the same
     model_wide_copies: Callable[[Any, Any], Any] = lambda knobs, layers: 1

@@ -1053,6 +1053,12 @@ _GATHERS = {"qkv_proj": ((Dim.B, Dim.S, Dim.QKV, Dim.D), 1), "q_proj": (_HEADS, 
             "up_proj": (BSF, 1), "down_proj": (BSF, 1)}
 
 
+# lm_head under tp gathers the logits whole on every rank (its tp plan's colwise_gather_output), and ForCausalLMLoss
+# keeps their fp32 log_softmax: the same bytes as the loss's fp32 logits, not split by t.
+LOSS_LOGITS = replace(ledger.LOSS_LOGITS, saved_by="cross-entropy (transformers' ForCausalLMLoss, on the gathered"
+                      " logits)", region=Region.REPLICATED)
+
+
 IMPLEMENTATION = Implementation(
     name="hf",
     title="Hugging Face transformers",
@@ -1085,6 +1091,7 @@ IMPLEMENTATION = Implementation(
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
     model_wide_copies=rope_pairs,
+    ends=(LOSS_LOGITS,),
     size_conditions=(
         SPLIT_PROJ_INPUT,
         GPT2_VIEWED_V,
