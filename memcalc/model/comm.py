@@ -173,11 +173,13 @@ def layer_collectives(
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
-    # megatron-core's latent attention enters at each projection (`_latent`); torchtitan's plan gathers x once at the
+    # megatron-core's latent attention, whose down projections are column-parallel and gather their outputs, enters
+    # at each projection (`_latent`); torchtitan's replicates its down projections and gathers x once at the
     # attention's entry, kept by its colwise up projections: a pair like any
-    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and style is Style.COLWISE else
+    downs_gathered = any(r.style is Style.COLWISE_GATHER_OUTPUT and r.pair is None for r in tp_plan.rules)
+    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and downs_gathered else
               _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
-              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p, style in pairs.items()]
+              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
