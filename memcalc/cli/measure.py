@@ -107,9 +107,11 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
             return run_step(config, names, device=device, launch=launch, backend=backend,
                             layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
-    if config.dp_shard is not None or config.zero_stage is not None:
+    experts_over_dp_shard = config.impl == "torchtitan" and config.ep > 1  # check_moe: at t = 1, ep dividing dp_shard
+    if config.zero_stage is not None or config.dp_shard is not None and not experts_over_dp_shard:
         raise ConfigError("--dp-shard and --zero-stage shard a whole step's states: give --step (a layer's saved"
-                          " tensors do not depend on them)")
+                          " tensors do not depend on them; torchtitan's experts at ep > 1 take their ranks from"
+                          " --dp-shard)")
     if layer is None:
         layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
     check_worst_route(config, route, [STRATEGIES[name] for name in names])

@@ -91,6 +91,16 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
         return fn(tp, *args)
 
 
+def join_fake_world(size: int | None) -> None:
+    """The default process group becomes torch's fake one of `size` ranks, this one rank 0 (None: no group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if size is not None:
+        dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+
+
 # -- torchrun: this process is one rank of the job -----------------------------
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
+from memcalc.model.impls.torchtitan import efsdp
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.params import PARAM_GROUPS, PARTS, Param, etp, expert_tp, part
 from memcalc.sizing.pipeline import Stage, stage_rank
@@ -294,7 +295,9 @@ def describe_sharding(config: ModelConfig) -> str:
     if c.dp_shard is not None:
         replicas = f", HSDP over {c.dp_replicate} replicas" if (c.dp_replicate or 1) > 1 else ""
         reshard = "" if c.reshard_after_forward else ", no reshard after forward"
-        return f"FSDP2 over dp_shard*cp={c.dp_shard * c.cp}{replicas}{reshard}"
+        titan_ep = c.impl == "torchtitan" and c.moe and c.ep > 1
+        experts = f", the experts' over dp_shard*cp/ep={efsdp(c)}" if titan_ep else ""
+        return f"FSDP2 over dp_shard*cp={c.dp_shard * c.cp}{experts}{replicas}{reshard}"
     if c.zero_stage is not None:
         return f"DeepSpeed ZeRO-{c.zero_stage} over dp={c.dp}"
     return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"

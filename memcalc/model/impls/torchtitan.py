@@ -479,19 +479,40 @@ def check_moe(knobs: Any) -> None:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
     c = knobs  # a config: its layout too (a knob set alone has no ep)
-    if _ep(c) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
+    if _ep(c) > 1 and not (_ep_over_tp(c) or _ep_over_dp_shard(c)):
         raise ConfigError(f"impl torchtitan with experts: ep={c.ep} is measured as ep = t over the TP ranks, without"
-                          f" dp_shard, t dividing s (its MoE splits the sequence over them), not at t={c.t},"
-                          f" dp_shard={c.dp_shard}, s={c.s}; use ep 1 (or ep = t under tp or tp-sp)")
+                          f" dp_shard, t dividing s (its MoE splits the sequence over them), or at t = 1 over the"
+                          f" FSDP2 ranks, ep dividing dp_shard, without pp, cp or dp_replicate; not at t={c.t},"
+                          f" dp_shard={c.dp_shard}, s={c.s}, pp={c.pp}, cp={c.cp}, dp_replicate={c.dp_replicate}; use"
+                          " ep 1, ep = t under tp or tp-sp, or t 1 with dp_shard a multiple of ep")
 
 
 def _ep(config: Any) -> int:
     return getattr(config, "ep", 1)
 
 
+def _ep_over_tp(c: Any) -> bool:
+    """ep = t: torchtitan borrows the expert-parallel ranks from the TP ranks alone (no dp_shard)."""
+    return c.ep == c.t and c.dp_shard is None and c.s % c.t == 0
+
+
+def _ep_over_dp_shard(c: Any) -> bool:
+    """ep over FSDP2's ranks at t = 1 (DeepSeek-V3's and Qwen3-MoE's training layout): each rank routes its own b*s
+    tokens; its experts are sharded over efsdp = dp_shard/ep (`efsdp`). Measured without pp, cp or HSDP."""
+    return c.t == 1 and c.dp_shard is not None and c.dp_shard % c.ep == 0 and c.pp == 1 and c.cp == 1 \
+        and (c.dp_replicate or 1) == 1
+
+
+def efsdp(config: Any) -> int:
+    """The ranks FSDP2 shards the routed experts over: parallel_dims' efsdp = dp_shard*cp*tp/ep under ep > 1 (ep
+    borrowed from dp_shard at t = 1, `_ep_over_dp_shard`), its fsdp mesh's dp_shard*cp at ep = 1."""
+    return (config.dp_shard or 1) * config.cp // _ep(config)
+
+
 def splits(config: Any) -> tuple[tuple[str, Dim], ...]:
     """With ep > 1 (ep = t) the MoE spreads its tokens over the TP ranks (set_moe_sharding_config, enable_ep): each
-    routes its own s/t tokens (r_s/t slots), its E/ep experts whole, receiving r/t of the slots over the all-to-all."""
+    routes its own s/t tokens (r_s/t slots), its E/ep experts whole, receiving r/t of the slots over the all-to-all.
+    At t = 1 (ep over dp_shard) nothing splits: each rank routes its own b*s tokens and receives r slots."""
     if _ep(config) == 1:
         return ()
     slots = (MOE_SORTED_SLOTS, MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_EXPERT_OUT)
@@ -502,7 +523,8 @@ def splits(config: Any) -> tuple[tuple[str, Dim], ...]:
 
 
 EP_WITHOUT_TP = Refusal(
-    "none", lambda config: _ep(config) > 1, "with ep > 1",
+    "none", lambda config: _ep(config) > 1 and getattr(config, "dp_shard", None) is None,
+    "with ep > 1 and no dp_shard",
     "torchtitan takes its expert-parallel ranks from dp_shard*cp*tp: without FSDP2 they are the TP ranks",
     "torchtitan 0.3.0, torchtitan/distributed/parallel_dims.py (efsdp = dp_shard*cp*tp/ep)",
 )
@@ -515,11 +537,12 @@ def check_sizes(config: Any) -> None:
     _check_rope(config)
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
-    f, shards = config.expert_ffn // config.t, (config.dp_shard or 1) * config.cp
+    f, shards = config.expert_ffn // config.t, efsdp(config)
     if expert_dim1(config) and (f % shards or config.h % shards):
-        raise ConfigError(f"impl torchtitan: dp_shard*cp={shards} ranks above num_experts={config.num_experts}: its"
-                          f" apply_fsdp_to_decoder shards the experts on dim 1 (f_e/t={f}, h={config.h}), which"
-                          " FSDP2 refuses uneven (NotImplementedError); pick dp_shard*cp dividing both")
+        raise ConfigError(f"impl torchtitan: dp_shard*cp={(config.dp_shard or 1) * config.cp} ranks above"
+                          f" num_experts={config.num_experts}: its apply_fsdp_to_decoder shards the experts on dim 1"
+                          f" (f_e/t={f}, h={config.h}) over dp_shard*cp/ep={shards} ranks, which FSDP2 refuses uneven"
+                          " (NotImplementedError); pick dp_shard*cp/ep dividing both")
     _check_unnamed_saved(config)
 
 
@@ -614,11 +637,12 @@ IMPLEMENTATION = Implementation(
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
-    " all-to-all dispatcher over the TP ranks); with qk_layernorm its Qwen3TransformerBlock (q_norm and k_norm on"
-    " each head, heads of kv_channels, CosSinRoPE) under set_qwen3_sharding_config at t = 1, tp and tp-sp, dense"
-    " and with experts; with kv_lora_rank its DeepSeekV3TransformerBlock (latent attention, with and without a query"
-    " latent, d_v = d_n + d_r for the CPU's flash kernel) under set_deepseek_v3_sharding_config at t = 1, tp and"
-    " tp-sp, without recomputation, FullAC and SelectiveAC, with its FeedForward and its MoE",
+    " all-to-all dispatcher over the TP ranks), and at t = 1 with ep over the FSDP2 ranks (ep dividing dp_shard);"
+    " with qk_layernorm its Qwen3TransformerBlock (q_norm and k_norm on each head, heads of kv_channels, CosSinRoPE)"
+    " under set_qwen3_sharding_config at t = 1, tp and tp-sp, dense and with experts; with kv_lora_rank its"
+    " DeepSeekV3TransformerBlock (latent attention, with and without a query latent, d_v = d_n + d_r for the CPU's"
+    " flash kernel) under set_deepseek_v3_sharding_config at t = 1, tp and tp-sp, without recomputation, FullAC and"
+    " SelectiveAC, with its FeedForward and its MoE",
     keeps=keeps,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types

@@ -21,6 +21,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.launch import join_fake_world
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.labels import Labels, Part, Rule, merged_rows, split_rows
 from memcalc.probe.libs.megatron_shim import NOTES as SHIM_NOTES
@@ -146,7 +147,7 @@ def _model_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[None]:
     world = tp.size * ep
     own_group = not dist.is_initialized() or dist.get_world_size() != world
     if own_group:
-        _fake_world(world)
+        join_fake_world(world)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp.size, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp.size,
         create_gloo_process_groups=False,
@@ -156,17 +157,7 @@ def _model_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[None]:
     finally:
         parallel_state.destroy_model_parallel()
         if own_group:
-            _fake_world(tp.size if tp.mode == "fake" else None)  # the launch's own fake group of t, back
-
-
-def _fake_world(size: int | None) -> None:
-    """The default process group becomes torch's fake one of `size` ranks, this one rank 0 (None: no group)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if size is not None:
-        dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+            join_fake_world(tp.size if tp.mode == "fake" else None)  # the launch's own fake group of t, back
 
 
 # -- the layer --------------------------------------------------------------------

@@ -23,6 +23,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.launch import join_fake_world
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
 from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, sdpa_inputs, statistics
@@ -199,29 +200,53 @@ def ac_config(config: ModelConfig) -> Any:
 
 
 @contextmanager
-def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1) -> Iterator[ParallelDims | None]:
+def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1,
+                    dp_shard: int = 1) -> Iterator[ParallelDims | None]:
     """torchtitan's TP runtime over the probe's group (the whole world: `pp` pipeline ranks, each of a TP group of
     the rest, as torchtitan's pp x tp mesh lays them out), its experts over `ep` of its ranks (the TP ranks, as
-    torchtitan borrows them), its collectives' deprecation warnings and the CPU's refusal of the MoE router's
-    autocast(float32) (the shim runs it) silenced: None where the group is the pipeline's alone (t = 1), which has no
-    plan."""
+    torchtitan borrows them; with `dp_shard` > 1 the FSDP2 ranks of a world of dp_shard x the group, `_world`), its
+    collectives' deprecation warnings and the CPU's refusal of the MoE router's autocast(float32) (the shim runs it)
+    silenced: None where the group is the pipeline's alone (t = 1) without dp_shard, which has no plan."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
-        if group.size == pp:
+        if group.size == pp and dp_shard == 1:
             yield None
             return
         dist_utils.set_spmd_backend(SPMD_BACKEND)
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=group.size // pp, pp=pp, ep=ep,
-                            world_size=group.size, spmd_backend=SPMD_BACKEND)
-        with shim.mesh_device(group.device.type):
-            dims.build_mesh()
-        set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
-        try:
-            with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
-                yield dims
-        finally:
-            set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
+        with _world(group, group.size * dp_shard):
+            dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=group.size // pp, pp=pp, ep=ep,
+                                world_size=group.size * dp_shard, spmd_backend=SPMD_BACKEND)
+            with shim.mesh_device(group.device.type):
+                dims.build_mesh()
+            set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
+            try:
+                with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
+                    yield dims
+            finally:
+                set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
+
+
+@contextmanager
+def _world(group: TensorParallelGroup, size: int) -> Iterator[None]:
+    """A fake world of `size` ranks, this process rank 0, where the probe's group is smaller (ep over dp_shard at
+    t = 1 runs in a group of one, as megatron's probe makes its t*ep ranks); the group it found back after."""
+    if group.size == size:
+        yield
+        return
+    join_fake_world(size)
+    try:
+        yield
+    finally:
+        join_fake_world(group.size if group.mode == "fake" else None)
+
+
+def fake_world(config: ModelConfig, t: int) -> str | None:
+    """The ranks `_world` makes beyond the launch's, in words for measure's "ran as" line: dp_shard of them with
+    experts over the FSDP2 ranks at t = 1 (None elsewhere)."""
+    if config.num_experts is None or config.ep == 1 or config.dp_shard is None:
+        return None
+    return f"dp_shard={config.dp_shard} ranks (FSDP2's, expert parallel ep={config.ep} over them, t=1)"
 
 
 def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
@@ -399,7 +424,7 @@ def run_layer(
     """torchtitan's block on this rank: one recorded forward (named by the ledger), then backward once; `route`
     forces a MoE router (memcalc.probe.ROUTES); `collectives` gets every collective forward and backward issue."""
     with ExitStack() as stack:
-        dims = stack.enter_context(tensor_parallel(tp, config.ep))
+        dims = stack.enter_context(tensor_parallel(tp, config.ep, dp_shard=config.dp_shard or 1))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)

@@ -44,7 +44,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
-from memcalc.model.impls.torchtitan import expert_dim1
+from memcalc.model.impls.torchtitan import efsdp, expert_dim1
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.params import EXPERTS, Param, hf_layer_params, part, torchtitan_layer_params
 from memcalc.sizing.pipeline import Stage, stage_rank
@@ -137,6 +137,7 @@ class Fsdp:
     dim1: frozenset[str] = frozenset()  # parameters sharded on dim 1 (Shard(1): evenly, no padding)
     replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
     sync: bool = True  # False: each backward keeps the gradients unreduced (`accumulate_unsynced`)
+    experts: int = 0  # under ep > 1 the ranks of efsdp, the routed experts' own mesh (0: theirs is `shards` too)
 
     @classmethod
     def torchtitan(cls, config: ModelConfig, t: int, sp: bool, stage: Stage | None = None) -> Fsdp:
@@ -148,7 +149,8 @@ class Fsdp:
         norms = frozenset(p.module for u in units for p in u.params if len(p.shape) == 1) if sp else frozenset()
         dim1 = frozenset(p.module for u in units for p in u.params if expert_dim1(config) and p.group is EXPERTS)
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1, sync=config.pp == 1)
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1, sync=config.pp == 1,
+                   experts=efsdp(config) if config.ep > 1 else 0)
 
     def unit_of(self, module: str) -> str | None:
         """The unit that holds the parameter of `module` (named by the module's path); None if no unit does."""
@@ -174,7 +176,13 @@ class Fsdp:
     def shard(self) -> int:
         """Elements of this rank's shard of every parameter (each dim 0 padded): memcalc.sizing.states counts the
         model states of it too."""
-        return sum(self.unsharded(u.name) for u in self.units) // self.shards
+        return sum(self._own(p) for u in self.units for p in u.params)
+
+    def _own(self, p: Param) -> int:
+        """Elements of this rank's shard of `p`: of the whole padded parameter one of `shards`, a routed expert's
+        under ep > 1 one of efsdp (apply_fsdp_to_decoder's per-parameter mesh, `experts`)."""
+        shards = self.experts if self.experts and p.group is EXPERTS else self.shards
+        return _padded(p.shape, shards, p.module in self.dim1) // shards
 
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""

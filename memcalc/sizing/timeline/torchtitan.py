@@ -163,6 +163,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
                                                         " so w2 and wo gather their inputs and weights in backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
+        (config.moe and config.ep > 1 and config.dp_shard is not None, f"experts at ep={config.ep} over"
+         f" dp_shard={config.dp_shard} (FSDP2 of the routed experts over efsdp = dp_shard/ep={rules.efsdp(config)},"
+         " the all-to-all's buffers)"),
         (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
          " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),

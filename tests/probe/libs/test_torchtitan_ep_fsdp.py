@@ -1,0 +1,108 @@
+"""torchtitan's experts over the FSDP2 ranks (DeepSeek-V3's and Qwen3-MoE's training layout): at t = 1 its
+ParallelDims takes the ep ranks from dp_shard (efsdp = dp_shard/ep), so each rank routes its own b*s tokens (not a
+slice of the sequence, as under ep = t) to E/ep whole experts over the all-to-all dispatcher. The layer runs as rank 0
+of a fake world of dp_shard ranks that its runner makes, its router forced: balanced (each rank receives k*b*s slots
+where ep divides them) and all-to-one (every rank's slots to rank 0's experts, the worst bound)."""
+
+from math import prod
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+import torch.distributed as dist  # noqa: E402
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.libs import torchtitan as runner  # noqa: E402
+from memcalc.probe.measure import compare  # noqa: E402
+from memcalc.sizing.params import EXPERTS  # noqa: E402
+from memcalc.sizing.states import describe_sharding  # noqa: E402
+from memcalc.sizing.timeline.fsdp import Fsdp, _padded  # noqa: E402
+from memcalc.sizing.timeline.torchtitan import check_modelled  # noqa: E402
+from . import assert_exact  # noqa: E402
+
+SIZES = {"b": 2, "s": 7, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "t": 1}
+DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48}
+NONE = STRATEGIES["none"]
+CPU = Accounting(exact=True, device="cpu")
+
+CASES = {
+    "ep 2 of dp_shard 2, b 2, s odd": {"ep": 2, "dp_shard": 2},
+    "ep 2 of dp_shard 4 (efsdp 2)": {"ep": 2, "dp_shard": 4},
+    "ep 4 of dp_shard 4: one expert a rank": {"ep": 4, "dp_shard": 4},
+    "ep 4 of dp_shard 4, eight experts, b 1, s odd": {"ep": 4, "dp_shard": 4, "num_experts": 8, "b": 1, "s": 9},
+    "ep 2, top-1 of eight, b 1, s 3: slots ep does not divide": {
+        "ep": 2, "dp_shard": 2, "num_experts": 8, "moe_router_topk": 1, "b": 1, "s": 3},
+    "deepseek-v3's router and shared experts, ep 2 of dp_shard 4": DEEPSEEK_V3 | {"ep": 2, "dp_shard": 4},
+}
+
+
+@pytest.mark.parametrize("route, bound", [("balanced", "balanced"), ("all-to-one", "worst")])
+@pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
+def test_each_rank_routes_its_own_tokens_to_its_experts_keeping_exactly_what_the_rules_predict(knobs, route, bound):
+    config = build_config(SIZES | knobs | {"moe_tokens": bound})
+    rows = _rows(config, route)
+    assert_exact(rows)
+    by_name = {row.name: row for row in rows}
+    assert by_name["moe/expert_offsets"].measured_shape == (config.num_experts // config.ep,)
+    assert by_name["moe/router_in_fp32"].measured_shape == (config.b, config.s, config.h)  # the rank's b*s tokens
+    assert "moe/permuted_indices" in by_name  # the all-to-all dispatcher's, which ep = 1 does not run
+    assert not dist.is_initialized()  # the fake world of dp_shard ranks is the runner's alone
+
+
+@pytest.mark.parametrize("recompute", ["op", "full"])
+def test_under_its_activation_checkpointing_ep_over_dp_shard_keeps_exactly_what_the_rules_predict(recompute):
+    assert_exact(_rows(build_config(SIZES | {"ep": 2, "dp_shard": 4, "recompute": recompute}), "balanced"))
+
+
+def _rows(config, route: str):
+    return compare(estimate(config, NONE, CPU), runner.run_layer(single("cpu"), config, NONE, route=route))
+
+
+def test_all_to_one_puts_every_ranks_slots_on_rank_0():
+    config = build_config(SIZES | {"ep": 2, "dp_shard": 4, "moe_tokens": "worst"})
+    expert_in = next(row for row in _rows(config, "all-to-one") if row.name == "moe/expert_in")
+    assert expert_in.measured_shape == (config.ep * config.moe_router_topk * config.b * config.s, config.h)
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"t": 2, "ep": 2, "dp_shard": 2}, "t=2, dp_shard=2"),
+    ({"ep": 2, "dp_shard": 3}, "ep dividing dp_shard"),
+    ({"ep": 2, "dp_shard": 2, "pp": 2, "L": 2}, "pp=2"),
+    ({"ep": 2, "dp_shard": 2, "dp_replicate": 2}, "dp_replicate=2"),
+])
+def test_ep_over_dp_shard_beside_tp_pp_or_hsdp_or_not_dividing_it_is_refused_in_one_line(knobs, words):
+    with pytest.raises(ConfigError, match=words) as caught:
+        build_config(SIZES | knobs)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("ep, dp_shard, experts", [(2, 4, 8), (4, 4, 8), (2, 8, 4)])
+def test_fsdp2_shards_the_routed_experts_over_efsdp_and_the_rest_over_dp_shard(ep, dp_shard, experts):
+    config = build_config(SIZES | {"ep": ep, "dp_shard": dp_shard, "num_experts": experts})
+    fsdp = Fsdp.torchtitan(config, 1, sp=False)
+    params = [p for u in fsdp.units for p in u.params]
+    routed = [p for p in params if p.group is EXPERTS]
+    assert routed and all(p.shape[0] == experts // ep for p in routed)  # E/ep experts on each rank
+    efsdp = dp_shard // ep  # dividing each expert weight's dim 0 (E/ep), or under Shard(1) its f and h: no padding
+    rest = sum(_padded(p.shape, dp_shard) // dp_shard for p in params if p.group is not EXPERTS)
+    assert fsdp.shard == sum(prod(p.shape) for p in routed) // efsdp + rest
+    assert fsdp.shard > Fsdp.torchtitan(build_config(SIZES | {"dp_shard": dp_shard, "num_experts": experts // ep}),
+                                        1, sp=False).shard
+
+
+def test_the_layout_line_names_the_experts_own_fsdp2_ranks():
+    config = build_config(SIZES | {"ep": 2, "dp_shard": 8})
+    assert describe_sharding(config) == "FSDP2 over dp_shard*cp=8, the experts' over dp_shard*cp/ep=4"
+
+
+def test_the_step_timeline_refuses_ep_over_dp_shard_by_name():
+    with pytest.raises(ConfigError, match=r"experts at ep=2 over dp_shard=4 \(FSDP2 of the routed experts over efsdp"):
+        check_modelled(build_config(SIZES | {"ep": 2, "dp_shard": 4}), NONE)
