@@ -165,6 +165,9 @@ def layer_collectives(
     impl = implementation(knobs)
     tp_plan, sp = impl.tp_plan(knobs), strategy.sequence_parallel
     routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
+    if routes_shards and knobs.t == 1:
+        raise ConfigError(f"impl {knobs.impl}: ep={ep} over the data-parallel ranks (t = 1): the all-to-all of each"
+                          " rank's own tokens among them is not modelled here yet (ep = t under tp-sp is)")
     if routes_shards and not sp:
         raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
                           " there, whose collectives are not measured (tp-sp, ep = t is)")

@@ -171,3 +171,14 @@ def test_comm_json_of_a_dense_and_moe_mix_counts_both_kinds_and_names_each_colle
     assert tp_sp["layers"] == {"moe": 2, "dense": 2}
     assert tp_sp["per_step_bytes"] == 2 * tp_sp["per_layer_bytes"] + 2 * tp_sp["dense_layer_bytes"]
     assert {c["over"] for c in tp_sp["collectives"]} == {"t", "ep", "t*ep"}
+
+
+def test_torchtitans_experts_over_the_data_parallel_shards_are_refused_by_what_comm_does_not_model():
+    """At t = 1 torchtitan's ep ranks are dp_shard's (its efsdp mesh): each rank's own tokens go round them, not a
+    slice of a replicated input as under tp."""
+    from tests.helpers import TORCHTITAN_LLAMA3
+
+    config = build_config(TORCHTITAN_LLAMA3 | {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+                                               "t": 1, "dp_shard": 4, "ep": 2})
+    with pytest.raises(ConfigError, match=r"^impl torchtitan: ep=2 over the data-parallel ranks \(t = 1\): the all-to"):
+        layer_collectives(config, NONE, ep=config.ep)
