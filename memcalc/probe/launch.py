@@ -91,7 +91,22 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
         return fn(tp, *args)
 
 
-def join_fake_world(size: int | None) -> None:
+@contextmanager
+def world_of(size: int, group: TensorParallelGroup) -> Iterator[None]:
+    """While inside, a default process group of `size` ranks: the launch's where it has that many, else torch's fake
+    one, this process rank 0 (a library's layout wider than the probe's group: megatron's t*ep ranks, torchtitan's
+    experts over dp_shard); after, the launch's own fake group of the group's size (or none) back."""
+    own = not dist.is_initialized() or dist.get_world_size() != size
+    if own:
+        _join_fake_world(size)
+    try:
+        yield
+    finally:
+        if own:
+            _join_fake_world(group.size if group.mode == "fake" else None)
+
+
+def _join_fake_world(size: int | None) -> None:
     """The default process group becomes torch's fake one of `size` ranks, this one rank 0 (None: no group)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 

@@ -21,7 +21,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.launch import join_fake_world
+from memcalc.probe.launch import world_of
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.labels import Labels, Part, Rule, merged_rows, split_rows
 from memcalc.probe.libs.megatron_shim import NOTES as SHIM_NOTES
@@ -31,7 +31,6 @@ from memcalc.probe.measure import INPUT_SEED, _layer_input
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, batch_first
 
 torch = require_torch()
-import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch.nn import functional as F  # noqa: E402
 
 WEIGHT_SEED = 5678  # the same full weights on every rank; megatron cuts each rank's block from them
@@ -144,20 +143,15 @@ def _model_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[None]:
     parallel t); a fake group of t*ep ranks where the probe has none, or a fake one of t while ep > 1."""
     from megatron.core import parallel_state
 
-    world = tp.size * ep
-    own_group = not dist.is_initialized() or dist.get_world_size() != world
-    if own_group:
-        join_fake_world(world)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp.size, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp.size,
-        create_gloo_process_groups=False,
-    )
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        if own_group:
-            join_fake_world(tp.size if tp.mode == "fake" else None)  # the launch's own fake group of t, back
+    with world_of(tp.size * ep, tp):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp.size, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp.size,
+            create_gloo_process_groups=False,
+        )
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
 
 
 # -- the layer --------------------------------------------------------------------

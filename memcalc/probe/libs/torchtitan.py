@@ -23,7 +23,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.launch import join_fake_world
+from memcalc.probe.launch import world_of
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
 from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, sdpa_inputs, statistics
@@ -204,7 +204,7 @@ def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1,
                     dp_shard: int = 1) -> Iterator[ParallelDims | None]:
     """torchtitan's TP runtime over the probe's group (the whole world: `pp` pipeline ranks, each of a TP group of
     the rest, as torchtitan's pp x tp mesh lays them out), its experts over `ep` of its ranks (the TP ranks, as
-    torchtitan borrows them; with `dp_shard` > 1 the FSDP2 ranks of a world of dp_shard x the group, `_world`), its
+    torchtitan borrows them; with `dp_shard` > 1 the FSDP2 ranks of a world of dp_shard x the group, `world_of`), its
     collectives' deprecation warnings and the CPU's refusal of the MoE router's autocast(float32) (the shim runs it)
     silenced: None where the group is the pipeline's alone (t = 1) without dp_shard, which has no plan."""
     with warnings.catch_warnings():
@@ -214,7 +214,7 @@ def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1,
             yield None
             return
         dist_utils.set_spmd_backend(SPMD_BACKEND)
-        with _world(group, group.size * dp_shard):
+        with world_of(group.size * dp_shard, group):
             dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=group.size // pp, pp=pp, ep=ep,
                                 world_size=group.size * dp_shard, spmd_backend=SPMD_BACKEND)
             with shim.mesh_device(group.device.type):
@@ -227,22 +227,8 @@ def tensor_parallel(group: TensorParallelGroup, ep: int = 1, pp: int = 1,
                 set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
 
 
-@contextmanager
-def _world(group: TensorParallelGroup, size: int) -> Iterator[None]:
-    """A fake world of `size` ranks, this process rank 0, where the probe's group is smaller (ep over dp_shard at
-    t = 1 runs in a group of one, as megatron's probe makes its t*ep ranks); the group it found back after."""
-    if group.size == size:
-        yield
-        return
-    join_fake_world(size)
-    try:
-        yield
-    finally:
-        join_fake_world(group.size if group.mode == "fake" else None)
-
-
 def fake_world(config: ModelConfig, t: int) -> str | None:
-    """The ranks `_world` makes beyond the launch's, in words for measure's "ran as" line: dp_shard of them with
+    """The ranks `world_of` makes beyond the launch's, in words for measure's "ran as" line: dp_shard of them with
     experts over the FSDP2 ranks at t = 1 (None elsewhere)."""
     if config.num_experts is None or config.ep == 1 or config.dp_shard is None:
         return None
