@@ -25,8 +25,9 @@ from memcalc.sizing.pipeline import Stage, stage_rank
 
 def check_expert_states(config: ModelConfig) -> None:
     """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
-    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it;
-    torchtitan's ranks are counted on their own split)."""
+    and with pipelining every chunk of Megatron's (and transformers') layers must hold the same kinds of layers (freq
+    divides it, no first dense layers); torchtitan's ranks are counted on their own split, each stage its own
+    layers (`moe_layers_held`)."""
     c = config
     if not c.moe:
         return
@@ -35,10 +36,10 @@ def check_expert_states(config: ModelConfig) -> None:
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
                           " group has t*cp*dp/(ep*etp) ranks")
     chunk = c.L // (c.pp * (c.vpp or 1))
-    if c.pp > 1 and c.moe_first_dense_layers:
-        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts every"
-                          " pipeline chunk as holding the same kinds of layers, which the first stage's dense layers"
-                          " break; use pp 1")
+    if c.pp > 1 and c.moe_first_dense_layers and c.impl != "torchtitan":
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: under impl {c.impl}"
+                          " memcalc counts every pipeline chunk as holding the same kinds of layers, which the first"
+                          " stage's dense layers break; use pp 1 (impl torchtitan sizes each stage's own layers)")
     if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")

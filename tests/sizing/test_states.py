@@ -154,6 +154,16 @@ def test_torchtitan_under_pp_takes_a_freq_that_does_not_divide_l_over_pp():
     assert held == experts == [2, 2, 1, 1]
 
 
+def test_torchtitan_under_pp_holds_the_first_dense_layers_on_the_stages_its_split_puts_them():
+    """DeepSeek-V3's first dense layers under torchtitan's pipeline: pp=3 of L=6 with two dense layers gives ranks
+    layers 0-1 (both dense), 2-4 and 5, each stage's experts its own MoE layers' (Megatron's chunks: refused)."""
+    config = build_config(MOE | dict(impl="torchtitan", pp=3, L=6, moe_first_dense_layers=2, dropout=0.0,
+                                     attention="flash", position_embedding_type="rope", add_bias_linear=False))
+    held = [moe_layers_held(config, x) for x in pipeline_stages(config)]
+    experts = [group_params(config, x, 1)["moe/experts"] // (8 * 3 * 64 * 96) for x in pipeline_stages(config)]
+    assert held == experts == [0, 3, 1]
+
+
 def test_shared_experts_are_split_by_t_as_the_dense_mlp():
     config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2))
     params = group_params(config, stages(config.L, 1, None)[0], 2)
@@ -253,7 +263,7 @@ def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
     with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with moe_layer_freq=2 leaves none of the L=2"):
         build_config(MOE | dict(L=2, moe_layer_freq=2, moe_first_dense_layers=1))
     config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
-    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2: under impl megatron memcalc counts"):
         group_params(config, stages(config.L, 2, None)[0], 1)
 
 
