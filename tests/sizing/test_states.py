@@ -156,7 +156,8 @@ def test_torchtitan_under_pp_takes_a_freq_that_does_not_divide_l_over_pp():
 
 def test_torchtitan_under_pp_holds_the_first_dense_layers_on_the_stages_its_split_puts_them():
     """DeepSeek-V3's first dense layers under torchtitan's pipeline: pp=3 of L=6 with two dense layers gives ranks
-    layers 0-1 (both dense), 2-4 and 5, each stage's experts its own MoE layers' (Megatron's chunks: refused)."""
+    layers 0-1 (both dense), 2-4 and 5, each stage's experts its own MoE layers' (Megatron's even chunks of two
+    would give 0-1, 2-3 and 4-5)."""
     config = build_config(MOE | dict(impl="torchtitan", pp=3, L=6, moe_first_dense_layers=2, dropout=0.0,
                                      attention="flash", position_embedding_type="rope", add_bias_linear=False))
     held = [moe_layers_held(config, x) for x in pipeline_stages(config)]
