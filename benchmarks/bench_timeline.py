@@ -11,8 +11,9 @@ timeline (every layer of DeepSeek-V3 671B, pp 16) walks in under a second. This 
   - each shipped config under torchtitan's pipeline (`--impl torchtitan`, at its own pp and at pp 8 and 16), which
     walks every rank's stage and on each every micro-batch (gpt3-1t: 64 stages of 64 micro-batches).
 
-DeepSeek-V3's 61 layers do not split evenly over pp 16 (memcalc models even stages), so its full-model walk is the
-one stage of pp 1, which walks all 61: more than any stage of pp 16 would.
+DeepSeek-V3's full-model walk is its one stage of pp 1, which walks all 61 layers, and under torchtitan's pipeline at
+pp 16 its 16 stages (3 dense layers on the first, 4 MoE ones on each of the next 14, 2 on the last), each micro-batch
+of each (Megatron's even chunks refuse its dense first layers under pp).
 
 A walk the timeline refuses is listed as such, with its reason. CPU time is what the same run takes on an idle
 machine; wall time stretches on a shared one.

@@ -1,6 +1,7 @@
 """Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps in flight
 (Megatron-LM's 1F1B and interleaved 1F1B: its warm-up forwards plus one). The first and the last stage bound every
-GPU; the counts are derived in docs/guide-fit-totals.md (section 1, `layers`).
+GPU where every rank's layers are alike (else `kinds_changed`); the counts are derived in docs/guide-fit-totals.md
+(section 1, `layers`).
 """
 
 from __future__ import annotations
@@ -79,10 +80,32 @@ def torchtitan_microbatches(config: ModelConfig) -> int:
 
 def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
     """The stages whose step timelines bound per-GPU memory: under torchtitan's pipeline every rank's
-    (`torchtitan_stages`), else `stages`."""
-    if config.impl == "torchtitan" and config.pp > 1:
-        return torchtitan_stages(config.L, config.pp, torchtitan_microbatches(config))
-    return stages(config.L, config.pp, config.vpp, config.microbatches)
+    (`torchtitan_stages`), else `stages`, with layers of two kinds beside them each middle rank whose layers' kinds
+    differ from the rank before it (`kinds_changed`)."""
+    c = config
+    if c.impl == "torchtitan" and c.pp > 1:
+        return torchtitan_stages(c.L, c.pp, torchtitan_microbatches(c))
+    first, *last = stages(c.L, c.pp, c.vpp, c.microbatches)
+    return (first, *(middle_stage(c, r) for r in range(1, c.pp - 1) if kinds_changed(c, r)), *last)
+
+
+def kinds_changed(config: ModelConfig, rank: int) -> bool:
+    """Whether pipeline rank `rank`'s layers (`ModelConfig.rank_chunks`) are of other kinds, dense or MoE, than the
+    rank's before it: DeepSeek-V3's first dense layers on the first rank, MoE ones from the next on. Of ranks alike,
+    the lowest keeps the most micro-batches in flight (`in_flight`), the same states: the others bound nothing."""
+    def kinds(r: int) -> list[bool]:
+        return [config.is_moe_layer(i) for x in config.rank_chunks(r) for i in x]
+    return config.moe and kinds(rank) != kinds(rank - 1)
+
+
+def middle_stage(config: ModelConfig, rank: int) -> Stage:
+    """Pipeline rank `rank` of Megatron-LM's schedule, neither the first nor the last: L/pp layers, its in_flight
+    chunk-micro-batches of L/(pp*vpp) kept."""
+    c = config
+    chunk, kept = c.L // (c.pp * (c.vpp or 1)), in_flight(c.pp, c.vpp, rank, c.microbatches)
+    says = (f"1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''}" if c.vpp is None else
+            f"interleaved 1F1B keeps {kept} chunk-micro-batches")
+    return Stage(f"rank {rank}", c.L // c.pp, chunk * kept, 0, 0, f"{says} of {chunk} layers", kept)
 
 
 def stage_rank(name: str, pp: int) -> int:

@@ -25,8 +25,9 @@ from memcalc.sizing.pipeline import Stage, stage_rank
 
 def check_expert_states(config: ModelConfig) -> None:
     """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
-    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it;
-    torchtitan's ranks are counted on their own split)."""
+    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it);
+    first dense layers are each stage's own under Megatron's 1F1B (one chunk a rank: memcalc.sizing.pipeline's
+    `kinds_changed`) and torchtitan's split, not under the interleaved schedule nor transformers' pipeline."""
     c = config
     if not c.moe:
         return
@@ -35,10 +36,14 @@ def check_expert_states(config: ModelConfig) -> None:
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
                           " group has t*cp*dp/(ep*etp) ranks")
     chunk = c.L // (c.pp * (c.vpp or 1))
-    if c.pp > 1 and c.moe_first_dense_layers:
-        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts every"
-                          " pipeline chunk as holding the same kinds of layers, which the first stage's dense layers"
-                          " break; use pp 1")
+    if c.moe_first_dense_layers and c.vpp is not None:
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with vpp={c.vpp}: memcalc counts every"
+                          " interleaved model chunk a stage keeps as holding the same kinds of layers, which the first"
+                          " chunk's dense layers break; leave vpp out (1F1B sizes each stage's own layers)")
+    if c.pp > 1 and c.moe_first_dense_layers and c.impl == "hf":
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: under impl hf memcalc"
+                          " counts every pipeline chunk as holding the same kinds of layers, which the first stage's"
+                          " dense layers break; use pp 1 (impl megatron and torchtitan size each stage's own layers)")
     if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
@@ -101,22 +106,24 @@ def megatron_chunks(config: ModelConfig, stage: Stage, t: int) -> tuple[list[Chu
     rank of t (memcalc.sizing.params' megatron inventory), its dense buffer's and its experts' (`allreduce` False
     under expert parallelism: a buffer of their own): each parameter's elements, and which one is a tied embedding
     that pipelining gives its own bucket (`shared_embedding`: on the first stage's first chunk and the last stage's
-    last). A chunk's layer i is a MoE one as the model's layer i is (check_expert_states: every chunk holds the same
-    pattern)."""
-    c, chunks, layers = config, config.vpp or 1, range(stage.layers // (config.vpp or 1))
+    last). Each chunk holds the layers `ModelConfig.rank_chunks` places on the stage's rank, each of its own kind
+    (the first stage's first dense layers dense); a chunk without MoE layers has no expert buffer."""
+    c, chunks = config, config.rank_chunks(stage_rank(stage.name, config.pp))
     apart = c.ep > 1  # megatron's linears mark expert weights `allreduce` False only under expert parallelism
     kinds = {moe: part(c, t, "moe" if moe else "dense") for moe in ((False, True) if c.moe else (False,))}
-    layer = [x for i in layers for x in _merged(kinds[c.is_moe_layer(i)], lambda p: not apart or not p.group.expert)]
+
+    def merged(layers: Iterable[int], keep: Callable[[Param], bool]) -> list[int]:
+        return [x for i in layers for x in _merged(kinds[c.is_moe_layer(i)], keep)]
+
     first, last = ([prod(p.shape) for p in part(c, t, x)] for x in ("first", "last"))
     tied = c.tie_embeddings and c.pp > 1
-    dense: list[Chunk] = [(layer, None) for _ in range(chunks)]
+    dense: list[Chunk] = [(merged(x, lambda p: not apart or not p.group.expert), None) for x in chunks]
     if stage.has_embedding:
         dense[0] = (first + dense[0][0], 0 if tied else None)
     if stage.has_output:
         dense[-1] = (dense[-1][0] + last, len(dense[-1][0]) + len(last) - 1 if tied else None)
-    own = _merged(kinds.get(True, ()), lambda p: apart and p.group.expert)
-    expert = [x for i in layers if c.is_moe_layer(i) for x in own]
-    return dense, [(expert, None) for _ in range(chunks)] if expert else []
+    experts = [merged(filter(c.is_moe_layer, x), lambda p: apart and p.group.expert) for x in chunks]
+    return dense, [(x, None) for x in experts if x]
 
 
 def _merged(params: tuple[Param, ...], keep: Callable[[Param], bool]) -> list[int]:

@@ -96,12 +96,15 @@ _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integ
 # one width), bf16 (its latent attention is measured in bf16 only), dense and with its MoE layers after dense ones
 TORCHTITAN_MLA = TORCHTITAN | MLA | {"v_head_dim": MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"]}
 _TORCHTITAN_DSV3 = _knobs(q_lora_rank=st.sampled_from((None, 8)), recompute=st.sampled_from(("none", "full", "op")))
-_TORCHTITAN_DSV3_MOE = _knobs(q_lora_rank=st.sampled_from((None, 8)), num_experts=st.integers(2, 6),
-                              moe_router_topk=st.integers(1, 3),
-                              moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
-                              moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
-                              moe_first_dense_layers=st.sampled_from((None, 1)),
-                              recompute=st.sampled_from(("none", "full", "op")))
+DSV3_MOE = dict(q_lora_rank=st.sampled_from((None, 8)), num_experts=st.integers(2, 6),
+                moe_router_topk=st.integers(1, 3), moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
+                moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
+                moe_first_dense_layers=st.sampled_from((None, 1)), recompute=st.sampled_from(("none", "full", "op")))
+_TORCHTITAN_DSV3_MOE = _knobs(**DSV3_MOE)
+# pipelined, its first dense layers on the stages torchtitan's split puts them
+_TORCHTITAN_DSV3_MOE_PP = _knobs(**DSV3_MOE | dict(moe_first_dense_layers=st.sampled_from((1, 2)),
+                                                  pp=st.sampled_from((2, 3)),
+                                                  num_microbatches=st.sampled_from((None, 3))))
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
@@ -169,6 +172,8 @@ SUBJECTS = (
     Subject("torchtitan deepseek_v3", "torchtitan", TORCHTITAN_MLA, _TORCHTITAN_DSV3, gqa=False),
     Subject("torchtitan deepseek_v3 moe", "torchtitan", TORCHTITAN_MLA, _TORCHTITAN_DSV3_MOE, routes=(BALANCED,),
             gqa=False, align=8),
+    Subject("torchtitan deepseek_v3 moe pp", "torchtitan", TORCHTITAN_MLA, _TORCHTITAN_DSV3_MOE_PP,
+            routes=(BALANCED,), gqa=False, align=8, ts=(1,)),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA,

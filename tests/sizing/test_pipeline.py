@@ -5,7 +5,8 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.sizing.pipeline import stages
+from memcalc.config.schema import build_config
+from memcalc.sizing.pipeline import pipeline_stages, stage_rank, stages
 
 
 def _simulate(p: int, m: int | None, rank: int, microbatches: int) -> list[dict[int, int]]:
@@ -94,3 +95,22 @@ def test_without_pipelining_one_stage_holds_everything_once():
     assert (only.name, only.layers, only.layer_slots, only.embedding_in_flight, only.output_in_flight) == (
         "only", 24, 24, 1, 1,
     )
+
+
+MOE = dict(impl="megatron", s=16, h=32, a=4, L=8, pp=4, num_experts=4, moe_router_topk=2, mlp="swiglu", norm="rmsnorm",
+           position_embedding_type="rope", add_bias_linear=False)
+
+
+@pytest.mark.parametrize("dense, names", [
+    (None, ["first", "last"]),  # every rank's layers alike: rank 0 keeps the most in flight
+    (2, ["first", "rank 1", "last"]),  # rank 0's chunk dense, the others MoE: rank 1 the first of them
+    (3, ["first", "rank 1", "rank 2", "last"]),  # rank 1's chunk one dense layer and one MoE
+])
+def test_megatrons_middle_ranks_bound_memory_where_their_layers_kinds_change(dense, names):
+    """Megatron-LM's even chunks of L/pp = 2 layers under 1F1B (rank r keeps pp - r micro-batches): with first dense
+    layers a middle rank may hold more states than the first; of ranks whose layers are alike the lowest keeps the
+    most in flight, so only the first of each kind is a stage that can bound memory."""
+    found = pipeline_stages(build_config(MOE | {"moe_first_dense_layers": dense}))
+    assert [x.name for x in found] == names
+    assert [x.layer_slots for x in found] == [2 * (4 - stage_rank(x.name, 4)) for x in found]
+    assert [(x.has_embedding, x.has_output) for x in found[1:-1]] == [(False, False)] * (len(names) - 2)

@@ -6,7 +6,7 @@ import pytest
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import pipeline_stages, stages
-from memcalc.sizing.states import (group_params, moe_layers_held, router_buffer_bytes, state_bytes,
+from memcalc.sizing.states import (group_params, megatron_chunks, moe_layers_held, router_buffer_bytes, state_bytes,
                                    total_params)
 from memcalc.sizing.params import padded_vocab, vocab_shard
 
@@ -154,6 +154,17 @@ def test_torchtitan_under_pp_takes_a_freq_that_does_not_divide_l_over_pp():
     assert held == experts == [2, 2, 1, 1]
 
 
+def test_torchtitan_under_pp_holds_the_first_dense_layers_on_the_stages_its_split_puts_them():
+    """DeepSeek-V3's first dense layers under torchtitan's pipeline: pp=3 of L=6 with two dense layers gives ranks
+    layers 0-1 (both dense), 2-4 and 5, each stage's experts its own MoE layers' (Megatron's even chunks of two
+    would give 0-1, 2-3 and 4-5)."""
+    config = build_config(MOE | dict(impl="torchtitan", pp=3, L=6, moe_first_dense_layers=2, dropout=0.0,
+                                     attention="flash", position_embedding_type="rope", add_bias_linear=False))
+    held = [moe_layers_held(config, x) for x in pipeline_stages(config)]
+    experts = [group_params(config, x, 1)["moe/experts"] // (8 * 3 * 64 * 96) for x in pipeline_stages(config)]
+    assert held == experts == [0, 3, 1]
+
+
 def test_shared_experts_are_split_by_t_as_the_dense_mlp():
     config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2))
     params = group_params(config, stages(config.L, 1, None)[0], 2)
@@ -246,15 +257,31 @@ def test_the_first_k_dense_layers_hold_a_dense_mlp_and_the_rest_experts():
     assert build_config(MOE | dict(L=7, moe_layer_freq=2, moe_first_dense_layers=3)).moe_layers == 2  # layers 4, 6
 
 
-def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
+def test_first_dense_layers_that_cover_the_model_or_an_interleaved_chunk_are_refused():
     with pytest.raises(ConfigError, match="moe_first_dense_layers=6 leaves none of the L=6 layers a MoE layer"):
         build_config(MOE | dict(L=6, moe_first_dense_layers=6))
     # found by the random audit: layer 0 dense, layer 1 not a multiple of 2 (the probe said "every layer is MoE")
     with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with moe_layer_freq=2 leaves none of the L=2"):
         build_config(MOE | dict(L=2, moe_layer_freq=2, moe_first_dense_layers=1))
-    config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
-    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
+    config = build_config(MOE | dict(L=8, pp=2, vpp=2, moe_first_dense_layers=1))
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with vpp=2: memcalc counts every interleaved"):
+        group_params(config, stages(config.L, 2, 2)[0], 1)
+    config = load_config("deepseek-v3", {"L": 4, "pp": 2, "impl": "hf", "attention": "eager"})
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=3 with pp=2: under impl hf memcalc counts"):
         group_params(config, stages(config.L, 2, None)[0], 1)
+
+
+def test_megatrons_first_stage_holds_the_first_dense_layers_and_its_chunk_no_expert_buffer_without_moe_ones():
+    """Megatron-LM's even chunks under 1F1B: L=4 over pp=2 with one dense layer gives rank 0 layers 0 (dense) and 1,
+    rank 1 two MoE layers; with two, rank 0's chunk holds no expert parameter, so no expert buffer (its
+    _ParamAndGradBuffer of the experts' is made only for parameters that exist)."""
+    config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
+    first, last = pipeline_stages(config)
+    assert [moe_layers_held(config, x) for x in (first, last)] == [1, 2]
+    assert [group_params(config, x, 1)["moe/experts"] // (8 * 3 * 64 * 96) for x in (first, last)] == [1, 2]
+    config = build_config(MOE | dict(L=4, pp=2, ep=2, dp=2, distributed_optimizer=True, moe_first_dense_layers=2))
+    first, last = pipeline_stages(config)
+    assert [len(megatron_chunks(config, x, 1)[1]) for x in (first, last)] == [0, 1]
 
 
 def test_transformers_mixtral_experts_carry_no_biases_whatever_add_bias_linear_says():

@@ -4,13 +4,14 @@ tensors, and the peak lies above `totals`' states + activations. Against MemTrac
 
 import pytest
 
-from memcalc.config.schema import build_config
+from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing import totals
 from memcalc.sizing.timeline.ends import LOSS_WORKING_SET
+from memcalc.sizing.verdict import need, step_peaks
 from memcalc.sizing.timeline import (
     ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline, timelines,
 )
@@ -206,6 +207,34 @@ def test_with_a_pipeline_each_bounding_stage_holds_its_own_model_states_between_
     for stage, x in zip(per.stages, (first, last)):
         states = stage.bytes(totals.STATES)
         assert (x.stage, x.steady.bytes) == (stage.stage.name, states + 4)  # and Adam's step counter
+
+
+def test_with_first_dense_layers_a_middle_stage_walks_its_own_moe_layers_and_holds_its_own_states():
+    """Megatron's 1F1B over chunks of two layers (L = 8, pp = 4) with three dense layers first: rank 0's dense, rank
+    1's one dense and one MoE, the rest MoE; ranks 1 and 2, whose layers' kinds differ from the rank's before, are
+    walked too (neither the embedding nor the loss), each on its own layers, with its own states between steps."""
+    config, walked = _pipelined("tp-sp", **MIXED | {"moe_layer_freq": 1, "moe_first_dense_layers": 3})
+    per = totals.per_gpu(config, STRATEGIES["tp-sp"], CPU)
+    assert [x.stage for x in walked] == [x.stage.name for x in per.stages] == ["first", "rank 1", "rank 2", "last"]
+    for stage, x in zip(per.stages, walked):
+        assert x.steady.bytes == stage.bytes(totals.STATES) + 4  # and Adam's step counter
+    dispatchers = [{y.name for y in x.peak.live if y.name.endswith("/moe dispatcher")} for x in walked]
+    assert dispatchers == [set(), {"layers.3/moe dispatcher"}, {"layers.4/moe dispatcher", "layers.5/moe dispatcher"},
+                           {"layers.6/moe dispatcher", "layers.7/moe dispatcher"}]
+    assert not {m.where for x in walked[1:3] for m in x.moments} & {"embedding", "loss"}
+
+
+def test_deepseek_v3_under_megatrons_1f1b_peaks_on_the_rank_after_its_dense_layers():
+    """Megatron-LM's even split (DeepSeek-V3's 61 layers as 64, over pp 16): rank 0 holds its 3 dense layers and a
+    MoE one, rank 1 four MoE layers (each some 20 times a dense one's parameters) with one micro-batch fewer in
+    flight: rank 1 peaks, its walk on its own layers 4 to 7; the verdict (estimate's and fit's) and the per-GPU
+    totals' worst stage size it."""
+    config = load_config("deepseek-v3", {"impl": "megatron", "L": 64, "pp": 16})
+    per, walked = totals.per_gpu(config, STRATEGIES["none"]), step_peaks(config, STRATEGIES["none"])
+    assert [x.stage for x in walked] == [x.stage.name for x in per.stages] == ["first", "rank 1", "last"]
+    assert [x.stage.layer_slots for x in per.stages] == [4 * 16, 4 * 15, 4]
+    assert [x.peak.where.split(".")[1] for x in walked] == ["3", "7", "63"]  # each stage's last layer's backward
+    assert need(per, walked).stage == per.worst().stage.name == "rank 1"
 
 
 @pytest.mark.parametrize("microbatches, in_flight", [(None, 4), (2, 2)])

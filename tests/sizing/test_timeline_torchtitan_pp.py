@@ -4,12 +4,15 @@ tests/probe/libs/test_torchtitan_pp.py."""
 
 import pytest
 
+from memcalc.config.schema import load_config
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.pipeline import torchtitan_stages
 from memcalc.sizing.timeline import ACTIVATIONS, timelines, timeline
 from memcalc.sizing.timeline.torchtitan_pp import _Schedule, schedule
+from memcalc.sizing.totals import per_gpu
+from memcalc.sizing.verdict import need, step_peaks
 
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
 
@@ -82,6 +85,24 @@ def test_with_pp_4_a_middle_stage_bounds_memory_where_megatrons_first_and_last_w
     walked = timelines(config, STRATEGIES["none"], CPU)
     assert [x.stage for x in walked] == ["first", "rank 1", "rank 2", "last"]
     assert max(walked, key=lambda x: x.peak.bytes).stage == "rank 1"
+
+
+def test_deepseek_v3_at_pp_16_holds_its_dense_layers_on_the_first_stage_and_peaks_on_the_second():
+    """torchtitan's split of its 61 layers over 16 stages: 3, then 4 a rank, 2 on the last. The first stage's three
+    are its dense ones (a MoE layer holds some 20 times a dense one's parameters), so rank 1, all MoE and one
+    micro-batch fewer in flight, peaks highest; the verdict (estimate's and fit's), the per-GPU totals' worst stage and
+    the step's walks all size that rank, each stage's walk of its own layers' kinds."""
+    config = load_config("deepseek-v3", {"impl": "torchtitan", "pp": 16})
+    held = [config.rank_chunks(r)[0] for r in range(16)]
+    assert [(x.start, len(x)) for x in held[:2]] == [(0, 3), (3, 4)] and len(held[-1]) == 2
+    assert [sum(map(config.is_moe_layer, x)) for x in held] == [0] + [4] * 14 + [2]
+    per = per_gpu(config, STRATEGIES["none"])
+    assert [x.params.get("moe/experts", 0) for x in per.stages[:2]] == [0, 4 * 256 * 3 * 7168 * 2048]
+    walked = step_peaks(config, STRATEGIES["none"])
+    assert [x.stage for x in walked] == [x.stage.name for x in per.stages]
+    assert need(per, walked).stage == per.worst().stage.name == "rank 1"
+    assert max(walked[1:], key=lambda x: x.peak.bytes).peak.bytes > 10 * walked[0].peak.bytes
+    assert walked[0].peak.where.startswith("layers.2.") and walked[1].peak.where.startswith("layers.6.")
 
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}

@@ -33,8 +33,9 @@ class Buffer:
     expert: bool  # the experts' buffer, sharded over the expert data-parallel group (else over dp*cp)
 
 
-def ddp_buffers(config: ModelConfig, last: bool = False) -> tuple[Buffer, ...]:
-    """The buffers of one rank of the first pipeline stage (`last`: of the last), each model chunk's, in order."""
+def ddp_buffers(config: ModelConfig, stage: int = 0) -> tuple[Buffer, ...]:
+    """The buffers of the first rank of pipeline stage `stage` (its rank among the pp), each model chunk's, in
+    order."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
     c = config
@@ -44,7 +45,7 @@ def ddp_buffers(config: ModelConfig, last: bool = False) -> tuple[Buffer, ...]:
         with cpu_buffers():
             from megatron.core import parallel_state
 
-            dist.init_process_group("fake", rank=world - 1 if last else 0, world_size=world, store=FakeStore())
+            dist.init_process_group("fake", rank=stage * world // c.pp, world_size=world, store=FakeStore())
             try:
                 parallel_state.initialize_model_parallel(
                     tensor_model_parallel_size=c.t, pipeline_model_parallel_size=c.pp, context_parallel_size=c.cp,
@@ -96,10 +97,10 @@ def _padded_vocab(config: ModelConfig) -> int:
     return -(-config.vocab_size // multiple) * multiple
 
 
-def fullest(config: ModelConfig, buffers: tuple[Buffer, ...], last: bool = False) -> int:
-    """The most parameter elements any rank of the first (`last`: the last) pipeline stage holds in its shards of
-    `buffers`: each rank's place in its dp*cp group and in its expert data-parallel group as megatron's RankGenerator
-    makes them (parallel_state's default order, expert tensor parallelism t), each group's ranks in torch's order."""
+def fullest(config: ModelConfig, buffers: tuple[Buffer, ...], stage: int = 0) -> int:
+    """The most parameter elements any rank of pipeline stage `stage` holds in its shards of `buffers`: each rank's
+    place in its dp*cp group and in its expert data-parallel group as megatron's RankGenerator makes them
+    (parallel_state's default order, expert tensor parallelism t), each group's ranks in torch's order."""
     from megatron.core.parallel_state import RankGenerator
 
     c, order = config, "tp-cp-ep-dp-pp"
@@ -107,8 +108,8 @@ def fullest(config: ModelConfig, buffers: tuple[Buffer, ...], last: bool = False
     expert_dp = c.t * c.cp * c.dp // (c.t * c.ep)
     expert = RankGenerator(tp=c.t, ep=c.ep, dp=expert_dp, pp=c.pp, cp=1, order=order, rank_offset=0).get_ranks("dp")
     places = [{rank: i for group in groups for i, rank in enumerate(sorted(group))} for groups in (dense, expert)]
-    stage = c.t * c.cp * c.dp
-    ranks = range(stage * (c.pp - 1), stage * c.pp) if last else range(stage)
+    width = c.t * c.cp * c.dp  # a stage's ranks
+    ranks = range(stage * width, (stage + 1) * width)
     return max(sum(x.shards[places[x.expert][rank]] for x in buffers) for rank in ranks)
 
 

@@ -16,7 +16,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
@@ -82,11 +82,13 @@ def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, t
     model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
     ends = Ends(config, dict(end_bytes), z, st)
-    walked = config.L // (config.pp * config.vpp) if config.vpp and config.pp > 1 else st.layers  # one model chunk
-    first = 0 if st.has_embedding else config.L - walked
-    layers = range(first, first + walked)
+    # one model chunk: the first stage's first (the embedding's), the last stage's last (the output's), a middle one's
+    chunks = config.rank_chunks(stage_rank(st.name, config.pp))
+    layers = chunks[-1] if st.has_output and not st.has_embedding else chunks[0]
+    first, walked = layers.start, len(layers)
     dense = [config.moe and not config.is_moe_layer(i) for i in layers]  # each layer's kind
-    # every chunk of a stage holds the same kinds of layers (memcalc.sizing.states.check_expert_states)
+    # every chunk of a stage holds the same kinds of layers: one chunk a rank where they differ (its first dense
+    # layers: memcalc.sizing.states.check_expert_states)
     _others_in_flight(tape, st, walked, sum(sum(kinds[x].saved.values()) for x in dense), ends.embedding_bytes())
     # a weight's gradient handed over by autograd is added into the fp32 buffer at once
     walks = {is_dense: Walk(tape, "", "", kind.sizes, lambda where, name, nbytes: tape.drop(name))

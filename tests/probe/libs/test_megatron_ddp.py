@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from memcalc.probe.libs.megatron_ddp import ddp_buffers, fullest  # noqa: E402
-from memcalc.sizing.pipeline import pipeline_stages  # noqa: E402
+from memcalc.sizing.pipeline import pipeline_stages, stage_rank  # noqa: E402
 from memcalc.sizing.states import group_params  # noqa: E402
 from memcalc.sizing.totals import per_parameter_shards  # noqa: E402
 
@@ -41,6 +41,11 @@ SHAPES = {
     "pp 2, tied: the embedding in a bucket of its own on each end": {"pp": 2, "L": 4},
     "pp 2, untied": LLAMA | {"pp": 2, "L": 4},
     "vpp 2: a buffer per model chunk": {"pp": 2, "vpp": 2, "L": 8, "num_microbatches": 4},
+    # DeepSeek-V3's first dense layers on the first stages (Megatron-LM's --moe-layer-freq list): each stage's own
+    "first dense layers over pp 4: rank 0 dense, rank 1 dense and MoE, no expert buffer on rank 0": MOE | {
+        "pp": 4, "L": 8, "moe_first_dense_layers": 3, "ep": 2, "dp": 4},
+    "a first dense layer at pp 3, shared experts, t 2": MOE | {"pp": 3, "L": 6, "moe_first_dense_layers": 1, "t": 2,
+                                                              "moe_shared_expert_intermediate_size": 70},
 }
 
 
@@ -48,8 +53,8 @@ SHAPES = {
 def test_the_distributed_optimizers_padded_buffers_are_megatrons_own(changes):
     config = make_config(ODD | changes)
     for stage in pipeline_stages(config):
-        buffers = ddp_buffers(config, last=stage.name == "last")
+        buffers = ddp_buffers(config, stage_rank(stage.name, config.pp))
         held = sum(group_params(config, stage, config.t).values())
         shard, whole = per_parameter_shards(config, config.t, held, stage)
         assert whole == sum(x.numel for x in buffers) > held
-        assert shard == fullest(config, buffers, last=stage.name == "last")
+        assert shard == fullest(config, buffers, stage_rank(stage.name, config.pp))

@@ -96,11 +96,35 @@ def test_as_cuda_runs_it_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_t
     (MOE | {"dp_shard": 2, "b": 2, "s": 9, "moe_shared_expert_intermediate_size": 48}, "none", "balanced"),
     ({"pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none", None),  # each stage's
     (Q_LATENT | {"pp": 2, "num_microbatches": 2, "t": 2, "b": 1, "s": 10}, "tp-sp", None),
-    # every layer a MoE one: dense first layers under pp the config refuses
     (MOE | {"moe_first_dense_layers": None, "pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none", "balanced"),
 ], ids=str)
 def test_sharded_and_pipelined_its_deepseek_v3_step_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route):
     for r in measure_step(make_config(LLAMA3, **(DSV3 | changes)), [strategy], route=route):
+        assert_step_exact(r)
+
+
+# its first dense layers under pp, on the stages torchtitan's split puts them (the embedding and the output a layer
+# each): the first stage's layers dense, or dense and MoE, the others MoE; b = 1 and 2, pp 2 and 3, FullAC and
+# SelectiveAC, under tp-sp, FSDP2 and as CUDA runs it
+PIPELINED_DENSE_FIRST = [
+    ({"pp": 2, "num_microbatches": 2, "b": 2, "s": 9}, "none", "cpu"),  # layer 0 dense on the first, 1 MoE on the last
+    ({"pp": 2, "L": 4, "b": 1, "s": 9, "moe_shared_expert_intermediate_size": 48, "recompute": "op"}, "none", "cpu"),
+    ({"pp": 2, "L": 4, "moe_first_dense_layers": 2, "num_microbatches": 3, "b": 2, "s": 9, "recompute": "full"}, "none",
+     "cpu"),  # the first stage's two layers both dense
+    (Q_LATENT | {"pp": 3, "L": 4, "num_microbatches": 3, "b": 1, "s": 7}, "none", "cpu"),  # 1, 2 and 1 layers
+    ({"pp": 3, "L": 4, "moe_first_dense_layers": 2, "b": 2, "s": 9}, "none", "cpu"),  # dense on the first two stages
+    (Q_LATENT | {"pp": 2, "L": 3, "t": 2, "b": 2, "s": 10}, "tp-sp", "cpu"),
+    ({"pp": 2, "L": 4, "dp_shard": 2, "b": 2, "s": 9}, "none", "cpu"),
+    ({"pp": 2, "L": 4, "b": 1, "s": 7, "recompute": "op"}, "none", "cuda"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy, device", PIPELINED_DENSE_FIRST, ids=str)
+def test_pipelined_with_dense_first_layers_each_stage_reaches_the_peak_to_the_byte(one_thread, changes, strategy,
+                                                                                   device):
+    """Each stage's walk takes its own layers' kinds: a dense block's FeedForward where the split puts the first
+    dense layers, the MoE elsewhere; its states and saved activations its own."""
+    for r in measure_step(make_config(LLAMA3, **(DSV3 | MOE | changes)), [strategy], route="balanced", device=device):
         assert_step_exact(r)
 
 

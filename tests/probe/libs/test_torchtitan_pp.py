@@ -66,8 +66,10 @@ MOE_CASES = [MOE, MOE | {"b": 1, "s": 7, "L": 4, "moe_shared_expert_intermediate
              MOE | {"recompute": "op", "num_microbatches": 3, "moe_shared_expert_intermediate_size": 48, "s": 9},
              MOE | {"pp": 3, "L": 6, "num_query_groups": 1, "s": 7, "num_microbatches": 4},
              MOE | {"L": 4, "moe_layer_freq": 2, "recompute": "op", "b": 1, "s": 7},
-             MOE | {"pp": 4, "L": 12, "moe_layer_freq": 2},
-             MOE | {"pp": 3, "L": 7, "moe_layer_freq": 2, "b": 1, "s": 7}]  # pp not dividing L  # 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE: not L/pp/freq
+             MOE | {"pp": 4, "L": 12, "moe_layer_freq": 2},  # 3, 4, 3 and 2 layers, 2, 2, 1 and 1 MoE: not L/pp/freq
+             MOE | {"pp": 3, "L": 7, "moe_layer_freq": 2, "b": 1, "s": 7},  # pp not dividing L
+             # DeepSeek-V3's first dense layers over two stages: 2 dense, then 1 dense and 1 MoE, then 1 MoE
+             MOE | {"pp": 3, "L": 5, "moe_first_dense_layers": 3, "b": 1, "s": 7}]
 MOE_CUDA_CASES = [MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}]
 
 
@@ -103,7 +105,7 @@ def test_with_experts_each_stage_peaks_where_the_walk_says_to_the_byte(one_threa
 
 @pytest.mark.parametrize("changes, device, stage, route", [
     *((*x, None) for x in _ranks([CASES[1], CASES[3], CASES[5], CASES[9]], "cpu")),
-    *((*x, "all-to-one") for x in _ranks([MOE_CASES[1], MOE_CASES[3]], "cpu"))], ids=str)
+    *((*x, "all-to-one") for x in _ranks([MOE_CASES[1], MOE_CASES[3], MOE_CASES[8]], "cpu"))], ids=str)
 def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes, device, stage,
                                                                                    route):
     """Each micro-batch's forward and backward as the schedule runs them, and what it keeps between."""
