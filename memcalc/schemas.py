@@ -305,7 +305,6 @@ FIT: Schema = _document(
 )
 
 # One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
-_SWEEP_COLUMNS = {name: _array(POSITIVE) for name in SIZES}
 SWEEP: Schema = _document(
     {
         "model": _nullable(TEXT),
@@ -318,7 +317,7 @@ SWEEP: Schema = _document(
         "skipped": _array(_object({"rule": TEXT, "count": POSITIVE, "example": TEXT})),
         "rows": COUNT,
         "columns": _object({
-            **_SWEEP_COLUMNS,
+            **{name: _array(POSITIVE) for name in SIZES},
             "strategy": _array(STRATEGY),
             "per_layer_bytes": _array(COUNT),
             "total_bytes": _array(COUNT),

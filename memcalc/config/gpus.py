@@ -54,13 +54,6 @@ DEFAULT_RESERVE = 3 * 2**30
 DEFAULT_GPU = "h100-80gb"
 
 
-def gpu(name: str) -> Gpu:
-    """The preset of that name, or ConfigError listing the known ones."""
-    if name not in GPUS:
-        raise ConfigError(f"unknown GPU {name!r} (known: {', '.join(GPUS)})")
-    return GPUS[name]
-
-
 @record
 class Budget:
     """What a verdict compares against: the card's usable bytes less the reserve."""
@@ -75,8 +68,9 @@ class Budget:
 
 
 def budget_for(name: str | None, device_memory: int | None, reserve: int | None) -> Budget:
-    """The budget from a preset (default h100-80gb) or an explicit --device-memory, less --reserve."""
-    device = gpu(name or DEFAULT_GPU)
+    """The budget from a preset (default h100-80gb; --gpu's choices are GPUS' names) or an explicit --device-memory,
+    less --reserve."""
+    device = GPUS[name or DEFAULT_GPU]
     size, source = (device_memory, "--device-memory") if device_memory is not None else (device.memory_bytes, device.name)
     held = DEFAULT_RESERVE if reserve is None else reserve
     if held >= size:

@@ -359,16 +359,13 @@ _GPT_NEOX = (
 # q, k and v (with GQA), biases on every linear (use_bias), the attention's and the MLP's outputs dropped out
 # (residual_dropout), an MLP c_fc -> hidden_act -> c_proj, and each query attending to the last sliding_window keys.
 _STARCODER2 = (
-    *_sizes(),
-    Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
-    Row("ffn_hidden_size", ("intermediate_size",)),
-    Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's default
-    _norm_row("norm_epsilon", "layernorm"),
-    Row("s", ("max_position_embeddings",), default=None),
-    Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
-        combine=_largest_dropout),
-    _tied(True),
-    Row("add_bias_linear", ("use_bias",), _flag("use_bias"), default=True),
+    *_like(_LLAMA, Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
+           Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's
+           _norm_row("norm_epsilon", "layernorm"),
+           Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
+               combine=_largest_dropout),
+           _tied(True),
+           Row("add_bias_linear", ("use_bias",), _flag("use_bias"), default=True)),
     _window(None),
     _head_dim_row(),  # Starcoder2Attention: getattr(config, "head_dim", None) or h/a
 )

@@ -48,7 +48,7 @@ class Subject:
     module: str  # the library it runs: skipped where not installed
     fields: dict[str, Any]  # fixed config fields (impl, the family's architecture)
     knobs: st.SearchStrategy[dict[str, Any]]  # drawn knob values
-    family: str | None = None  # transformers' family, whose decoder layer `hf.record_layer` builds
+    family: str | None = None  # transformers' family, whose decoder layer `hf.run_layer` builds
     gqa: bool = True  # whether num_query_groups may be fewer than a
     moe: bool = False  # routed experts: forced to the balanced route, so each expert's tokens are known
     extra: dict[str, Any] = field(default_factory=dict)  # other fixed fields (latent widths)
@@ -251,7 +251,7 @@ def _saved(tp: Any, config: Any, strategy: str, subject: Subject) -> Any:
     if subject.family is not None:
         from memcalc.probe.libs import hf
 
-        return hf.record_layer(tp, config, STRATEGIES[strategy], route="balanced" if subject.moe else None)
+        return hf.run_layer(tp, config, STRATEGIES[strategy], route="balanced" if subject.moe else None)
     route = {"route": "balanced"} if subject.moe else {}
     return runner(config.impl).run_layer(tp, config, STRATEGIES[strategy], **route)
 

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
 
-def record_layer(
+def run_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
     layer_type: str | None = None, collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
@@ -70,9 +70,6 @@ def record_layer(
             y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
         log.backward(y, collectives)  # inside the shim: a checkpoint's recompute must drop out alike
     return merged_rows(attributed(recorder.saved, config), rules.IMPLEMENTATION)  # each expert's storages as one row
-
-
-run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by
 
 
 def force_routes(model: Any, family: str, route: str | None, k: int) -> None:

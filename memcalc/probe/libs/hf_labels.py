@@ -1,5 +1,5 @@
 """Where transformers' decoder layers make each tensor the ledger names: the label rules
-`memcalc.probe.libs.hf.record_layer` records a layer under, family by family, and the storages that hold several
+`memcalc.probe.libs.hf.run_layer` records a layer under, family by family, and the storages that hold several
 ledger rows.
 
 How rules name what a library's own code makes: docs/probe.md, "Naming a library's tensors"; which class each family

@@ -554,6 +554,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     copied = Made("grad/embedding (rows)", z.weight(z.ends.word), "this rank's rows of it, copied out as the"
                   " weight's Shard(0) (DTensor's redistribute) to be added into the fp32 buffer, or (tied) to lm_head's"
                   " gradient")
+    handed: tuple[str, ...] = () if rows else ("grad/embedding (lookup)",)
     if rows and not tied:
         out += (Step("this rank's rows of the embedding's gradient", (
             Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
@@ -561,12 +562,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     if tied:
         out += (*((Step("this rank's rows of the lookup's gradient", (copied,), moment=False),) if rows else ()),
                 torch_ops.tied_sum(z.weight(z.ends.word) if rows else table))
-    if tied:
-        handed: tuple[str, ...] = ("grad/embedding (sum)",)
-    elif rows:
-        handed = ()
-    else:
-        handed = ("grad/embedding (lookup)",)
+        handed = ("grad/embedding (sum)",)
     # a tied weight's two gradients go as autograd sums them, before its accumulator runs (ZeRO's reduction there)
     summands = ("grad/embedding (lookup)", "grad/embedding (lm_head)", *((copied.name,) if rows and tied else ()))
     return out + (Step("", frees=tuple(x for x in summands if x not in handed), hands_over=handed),)

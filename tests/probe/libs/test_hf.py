@@ -48,7 +48,7 @@ OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm
 
 def _rows(knobs: dict, family: str | None = None):
     config = build_config(SIZES | knobs | ({"family": family} if family else {}))
-    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"])
+    saved = runner.run_layer(single("cpu"), config, STRATEGIES["none"])
     prediction = estimate(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     return compare(prediction, saved)
 
@@ -331,7 +331,7 @@ def _tp_rows(knobs: dict, t: int, family: str | None = None, mode: str = "fake")
     """Each rank's rows under transformers' tp_plan at t (rank 0 of the fake group, or every spawned rank)."""
     config = build_config(SIZES | knobs | {"t": t} | ({"family": family} if family else {}))
     prediction = estimate(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
-    per_rank = run(runner.record_layer, (config, STRATEGIES["tp"]), mode=mode, t=t)
+    per_rank = run(runner.run_layer, (config, STRATEGIES["tp"]), mode=mode, t=t)
     return [compare(prediction, saved) for saved in per_rank]
 
 
@@ -440,4 +440,4 @@ def test_coheres_own_tp_plan_fails_on_its_qk_norms_as_the_refusal_says(one_threa
     whole (a, d) weight then meets a/t heads in CohereLayerNorm's product."""
     config = build_config(SIZES | COHERE | {"attention": "eager", "dropout": 0.0, "qk_layernorm": True, "t": 2})
     with pytest.raises(RuntimeError, match="must match the size of tensor"):
-        run(runner.record_layer, (config, STRATEGIES["tp"]), mode="fake", t=2)
+        run(runner.run_layer, (config, STRATEGIES["tp"]), mode="fake", t=2)

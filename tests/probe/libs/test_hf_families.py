@@ -80,7 +80,7 @@ def test_a_config_its_class_wrote_is_read_and_its_layer_keeps_what_memcalc_predi
     flags = {"impl": "hf", "attention": "eager", "dropout": 0.0} | shape
     config = load_config(path, flags, base=read_hf_config(path).fields)
     route = "balanced" if config.moe else None
-    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"], route=route)
+    saved = runner.run_layer(single("cpu"), config, STRATEGIES["none"], route=route)
     assert_exact(compare(estimate(config, STRATEGIES["none"], CPU), saved))
 
 
@@ -111,7 +111,7 @@ def test_falcons_new_decoder_architecture_its_class_wrote_is_read_and_its_layer_
     path = tmp_path / "config.json"
     config = load_config(path, {"impl": "hf", "attention": attention, "dtype": dtype} | shape,
                          base=read_hf_config(path).fields)
-    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"])
+    saved = runner.run_layer(single("cpu"), config, STRATEGIES["none"])
     assert_exact(compare(estimate(config, STRATEGIES["none"], CPU), saved))
 
 

@@ -49,7 +49,7 @@ CASES = {
 
 def _rows(knobs: dict, route: str | None, layer_type: str, bound: str = "balanced"):
     config = build_config(GPT_OSS | knobs | {"moe_tokens": bound})
-    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"], route=route, layer_type=layer_type)
+    saved = runner.run_layer(single("cpu"), config, STRATEGIES["none"], route=route, layer_type=layer_type)
     return compare(estimate(config, STRATEGIES["none"], CPU), saved)
 
 

@@ -47,7 +47,7 @@ CPU = Accounting(exact=True, device="cpu")
 
 def _rows(knobs: dict, route: str | None, dense: bool = False, bound: str = "balanced"):
     config = build_config(SIZES | knobs | {"moe_tokens": bound})
-    saved = runner.record_layer(single("cpu"), config, NONE, route=route, dense=dense)
+    saved = runner.run_layer(single("cpu"), config, NONE, route=route, dense=dense)
     prediction = estimate(config, NONE, CPU)
     return compare(replace(prediction, tensors=prediction.dense) if dense else prediction, saved)
 
@@ -157,7 +157,7 @@ def _tp_rows(knobs: dict, route: str | None, t: int = 2, mode: str = "fake", den
     spawned rank); `dense` a mix's dense layer."""
     config = build_config(SIZES | knobs | {"t": t})
     prediction = estimate(config, TP, CPU)
-    per_rank = run(runner.record_layer, (config, TP, route, dense), mode=mode, t=t)
+    per_rank = run(runner.run_layer, (config, TP, route, dense), mode=mode, t=t)
     expected = replace(prediction, tensors=prediction.dense) if dense else prediction
     return [compare(expected, saved) for saved in per_rank]
 
