@@ -395,6 +395,13 @@ FINDINGS = [
              " MemTracker peaks with many query heads a rank (5 here: 320 B of activations and 224 B of temporaries"
              " apart, the peak named at input_layernorm's backward; found by a drawn run at 6 heads a rank, s = 31)",
              fixed=True),
+    _finding("transformers", {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA | {
+                 "q_lora_rank": None, "tie_embeddings": False, "dtype": "fp32", "dropout": 0.0, "dp_shard": 2,
+                 "L": 1, "b": 2, "s": 2, "a": 2, "h": 12, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "DeepSeek-V3's latent attention under FSDP2 in fp32, o_proj's output unmarked: MemTracker first reaches"
+             " the step's peak in layer 0's o_proj forward (its (b, s, h) output beside the attention's kept tensors,"
+             " once bmm's output and the attention's locals are gone), which the walk (timeline/hf_mla.eager_forward:"
+             " the softmax's moment and weights x V's) does not mark; it names the layer's end, the same bytes here"),
 ]
 
 
