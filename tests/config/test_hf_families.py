@@ -115,6 +115,21 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
     assert memcalc_cli("estimate", "--hf-config", mistral, "--impl", "hf", "--attention", "eager").code == 0
 
 
+@pytest.mark.parametrize("family, sizes", [
+    ("gemma2", {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}),
+    ("bloom", {"hidden_size": 64, "n_head": 4}),
+])
+def test_a_class_without_sdpa_is_read_as_the_eager_attention_transformers_falls_back_to(tmp_path, family, sizes):
+    """Gemma2ForCausalLM and BloomForCausalLM support no sdpa: unasked, transformers runs them eager (from_pretrained's
+    default, sdpa, falls back), so --impl hf counts eager attention where the impl's own default is flash."""
+    transformers = pytest.importorskip("transformers")
+    assert not getattr(transformers, FAMILIES[family].architectures[0])._supports_sdpa
+    getattr(transformers, FAMILIES[family].config_class)(**sizes, vocab_size=256).save_pretrained(tmp_path)
+    run = memcalc_cli("estimate", "--hf-config", str(tmp_path), "--impl", "hf", "--s", "32")
+    assert run.code == 0, run.err
+    assert "eager attention" in run.out.splitlines()[0]
+
+
 def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
     pythia = "tests/data/hf/pythia-70m.json"
     one_line_error(memcalc_cli("estimate", "--hf-config", pythia),

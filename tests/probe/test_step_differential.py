@@ -389,6 +389,24 @@ FINDINGS = [
              " to the end of backward (FSDPParamGroup._all_reduce_state; foreach_reduce casts to fp32 after taking"
              " it), where the walk (timeline/fsdp.py) held none for transformers' units: 92 B of temporaries short at"
              " layer 0's backward (found by a drawn run at t=4 with dp_replicate 2)", fixed=True),
+    _finding("transformers", {"impl": "hf", "family": "cohere", "parallel_residual": True, "single_norm": True,
+                              "norm": "layernorm_nb", "mlp": "swiglu", "add_bias_linear": False, "dropout": 0.0,
+                              "recompute": "full", "attention": "flash", "tie_embeddings": False, "L": 1, "b": 1,
+                              "s": 8, "a": 10, "h": 20, "num_query_groups": 2, "t": 2, "ffn_hidden_size": 2,
+                              "vocab_size": 4}, "tp",
+             "Cohere's RoPE backward in fp32: apply_rotary_pos_emb casts q and k up first, so every gradient of its"
+             " products is fp32 until q.float()'s and k.float()'s backward cast them back, after both products'"
+             " backward; the walk (timeline/hf_olmo.rope) sized them in bf16 and marked no moment there, where"
+             " MemTracker peaks with many query heads a rank (5 here: 320 B of activations and 224 B of temporaries"
+             " apart, the peak named at input_layernorm's backward; found by a drawn run at 6 heads a rank, s = 31)",
+             fixed=True),
+    _finding("transformers", {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA | {
+                 "q_lora_rank": None, "tie_embeddings": False, "dtype": "fp32", "dropout": 0.0, "dp_shard": 2,
+                 "L": 1, "b": 2, "s": 2, "a": 2, "h": 12, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "DeepSeek-V3's latent attention under FSDP2 in fp32, o_proj's output unmarked: MemTracker first reaches"
+             " the step's peak in layer 0's o_proj forward (its (b, s, h) output beside the attention's kept tensors,"
+             " once bmm's output and the attention's locals are gone), which the walk (timeline/hf_mla.eager_forward:"
+             " the softmax's moment and weights x V's) does not mark; it names the layer's end, the same bytes here"),
 ]
 
 

@@ -313,14 +313,6 @@ def test_gemma_under_dp_shard_is_refused_by_name():
         _timeline(dp_shard=2, **GEMMA)
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"family": "gemma2", "sandwich_norm": True, "attention": "flash"}, "attention flash in Gemma 2's model"),
-], ids=str)
-def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
-    with pytest.raises(ConfigError, match=f"does not model {named}"):
-        _timeline(**GEMMA | changes)
-
-
 def test_in_fp32_under_a_checkpoint_a_norms_weight_backward_holds_y_beside_dy_and_both_products():
     """The rerun's y goes as the node returns, before its product is summed to the weight's shape: Phi-3's
     post_attention_layernorm peaks there at b=3 s=3 h=4 (found by the step differential, 180 B above the walk)."""

@@ -820,6 +820,10 @@ _REFUSED: tuple[tuple[Callable[[Any], bool], str | Callable[[Any], str]], ...] =
       for name in ("attn_logit_softcapping", "final_logit_softcapping")),
     (lambda k: k.attn_logit_softcapping is not None and k.attention != "eager",
      "attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use attention eager"),
+    # without soft-capping too: from_pretrained and from_config refuse attn_implementation "sdpa" for its model
+    (lambda k: layer_family(k).name == "gemma2" and k.attention != "eager",
+     "Gemma2ForCausalLM runs eager attention only (Gemma2PreTrainedModel._supports_sdpa is False: SDPA takes no"
+     " softcap); use attention eager"),
     (lambda k: k.recompute not in ("none", "full"),
      lambda k: f"transformers has no {k.recompute} recomputation; use recompute none or full (its gradient"
                " checkpointing)"),

@@ -314,8 +314,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.sliding_window is not None and not _slides(config, 0),
          f"sliding_window={config.sliding_window} outside Gemma 2 and 3 and gpt-oss (it walks a window in their models"
          " only)"),
-        (family == "gemma2" and config.attention != "eager",
-         f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
         # found by the step differential: with a window of s its SDPA masks are made (b=1 s=3 sliding_window=3:
         # 18 B more activations measured at the forward's peak)
         (family == "gemma3_text" and config.attention != "eager" and config.sliding_window is not None

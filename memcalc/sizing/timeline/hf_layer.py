@@ -540,19 +540,26 @@ def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made]
     return ops[0], ops[1]
 
 
-def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`."""
-    x = f"{g}/{name}"
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], moment: bool = False,
+                   grad: str = "pre-rope") -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables` (cos,
+    sin), each after its product's backward. `moment`: its high, both halves' gradients placed, is marked (Cohere's,
+    in fp32, peaks there with many query heads a rank); `grad`: what x's gradient is called (Cohere's fp32 one is
+    cast back after)."""
+    x, (cos, sin) = f"{g}/{name}", (tables[:1], tables[1:])
     return (
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
-            f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),
-        Step("rotate_half's backward", (Made(f"{x} slice 2", width, "the other half, placed likewise"),
-                                        Made(f"{x} rotate_half", width, "the two halves' gradients summed")),
+            f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg", *sin),
+             moment=False),
+        Step("rotate_half's backward: the other half placed", (Made(f"{x} slice 2", width, "placed likewise"),),
+             moment=moment),
+        Step("rotate_half's backward: the halves' gradients summed", (Made(f"{x} rotate_half", width, "a"
+                                                                            " temporary"),),
              frees=(f"{x} slice 1", f"{x} slice 2", f"{x} rotated"), moment=False),
-        Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} pre-rope", width,
+        Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} {grad}", width,
                                                                                 "x's two gradients summed")),
-             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *tables),
+             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *cos),
              moment=False),
     )
 

@@ -113,7 +113,7 @@ def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: 
     the fp32 sums, its locals, go as it returns, and the projections' outputs as the attention rebinds them.
     `upcast`: Cohere's, which casts q and k to fp32 first (its locals to its return), so rotate_half runs in fp32
     too. In backward dY is cast up first; its fp32 copy goes with the last product's node (the products' gradients,
-    cast back to bf16 as autograd validates them, mark no moment)."""
+    cast back to bf16 as autograd validates them, mark no moment; upcast, fp32 to x.float()'s: `_upcast_backward`)."""
     (_, (_, q_out)), (_, (_, k_out)) = heads.items()
     ops = []
     for name, (w, _) in heads.items():
@@ -126,12 +126,28 @@ def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: 
                         frees=(f"{x} rotated",)),
                    Step("RoPE's sum, in fp32", (Made(f"{x} embed fp32", 2 * w, "cast back once k's is made too"),),
                         frees=(f"{x} cos", f"{x} sin")))
-        backward = (Step("the cast back's backward: dY in fp32", (Made(f"{g} dsum fp32", 2 * w, "dY cast up"),),
-                         frees=(f"{g} heads",), moment=False),
-                    *_rope_backward(f"grad/{p}", name, w, tables if name == "q" else ()),
+        cast_back = (Step("the cast back's backward: dY in fp32", (Made(f"{g} dsum fp32", 2 * w, "dY cast up"),),
+                          frees=(f"{g} heads",), moment=False),)
+        backward = (*(() if upcast else cast_back),
+                    *_rope_backward(f"grad/{p}", name, 2 * w if upcast else w, tables if name == "q" else (),
+                                    moment=upcast, grad="pre-rope fp32" if upcast else "pre-rope"),
                     Step("", frees=(f"{g} dsum fp32",)))
         ops.append(Op("self_attn", forward, backward))
     back = (Step("q_embed.to(q_type)", (q_out,)),  # the fp32 sums, its locals, go as it returns
             Step("k_embed.to(k_type)", (k_out,), frees=tuple(f"{p}/{x}" for x in (
                 "q embed fp32", "k embed fp32", "q fp32", "k fp32", "q pre-rope", "k pre-rope"))))
-    return (ops[0], replace(ops[1], forward=(*ops[1].forward, *back)))
+    q, k = ops[0], replace(ops[1], forward=(*ops[1].forward, *back))
+    return _upcast_backward(p, heads, q, k) if upcast else (q, k)
+
+
+def _upcast_backward(p: str, heads: dict[str, tuple[int, Made]], q: Op, k: Op) -> tuple[Op, Op]:
+    """Cohere's RoPE backward in the order autograd runs it (measured): both sums' casts back (k's, then q's), k's
+    products, q's (in fp32: dY cast up, so x.float()'s gradient too), then k.float()'s and q.float()'s backward, each
+    casting its gradient back (found by the step differential: the fp32 products peak with many query heads a rank)."""
+    casts = tuple(Step(f"{n}_embed.to({n}_type)'s backward: dY in fp32", (Made(
+        f"grad/{p}/{n} dsum fp32", 2 * heads[n][0], "dY cast up"),), frees=(f"grad/{p}/{n} heads",), moment=False)
+        for n in ("k", "q"))
+    floats = tuple(Step(f"{n}.float()'s backward", (Made(f"grad/{p}/{n} pre-rope", heads[n][0], "x's gradient cast"
+                                                         " back"),), frees=(f"grad/{p}/{n} pre-rope fp32",),
+                        moment=False) for n in ("k", "q"))
+    return replace(q, backward=(*q.backward, *floats)), replace(k, backward=(*casts, *k.backward))

@@ -284,6 +284,7 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
              "attention": "eager"}, "FalconDecoderLayer has no kv_channels"),  # the family's own layer, named so
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
+    (GEMMA2 | {"attn_logit_softcapping": None, "attention": "flash"}, "Gemma2ForCausalLM runs eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"final_logit_softcapping": 30.0}, "final_logit_softcapping is Gemma 2's"),
     (GEMMA2 | {"final_logit_softcapping": 30.0, "impl": "megatron"}, "modelled under --impl hf only"),
