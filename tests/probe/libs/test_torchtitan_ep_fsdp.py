@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
@@ -19,12 +20,18 @@ from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs import torchtitan as runner  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
 from memcalc.sizing.params import EXPERTS  # noqa: E402
 from memcalc.sizing.states import describe_sharding  # noqa: E402
 from memcalc.sizing.timeline.fsdp import Fsdp, _padded  # noqa: E402
 from memcalc.sizing.timeline.torchtitan import check_modelled  # noqa: E402
+from memcalc.sizing.totals import per_gpu  # noqa: E402
+
+from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
+
 from . import assert_exact  # noqa: E402
 
 SIZES = {"b": 2, "s": 7, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
@@ -96,6 +103,51 @@ def test_fsdp2_shards_the_routed_experts_over_efsdp_and_the_rest_over_dp_shard(e
     assert fsdp.shard == sum(prod(p.shape) for p in routed) // efsdp + rest
     assert fsdp.shard > Fsdp.torchtitan(build_config(SIZES | {"dp_shard": dp_shard, "num_experts": experts // ep}),
                                         1, sp=False).shard
+
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_tokens": "balanced"}
+STATE_CASES = {
+    "ep 2 of dp_shard 2": {"ep": 2, "dp_shard": 2},
+    "ep 2 of dp_shard 4 (efsdp 2)": {"ep": 2, "dp_shard": 4},
+    "ep 4 of dp_shard 4 (efsdp 1)": {"ep": 4, "dp_shard": 4},
+    "eight experts, ep 2 of dp_shard 4": {"ep": 2, "dp_shard": 4, "num_experts": 8},
+    "eight experts, ep 4 of dp_shard 4": {"ep": 4, "dp_shard": 4, "num_experts": 8},
+    "six experts, ep 2 of dp_shard 4: three a rank, dim 0 padded to 4": {"ep": 2, "dp_shard": 4, "num_experts": 6},
+    "efsdp 4 above two experts a rank: Shard(1)": {"ep": 2, "dp_shard": 8},
+    "efsdp 2 above one expert a rank: Shard(1)": {"ep": 4, "dp_shard": 8},
+    "qwen3's blocks, a vocabulary dp_shard pads": {"qk_layernorm": True, "ep": 2, "dp_shard": 4, "vocab_size": 53,
+                                                   "moe_ffn_hidden_size": 24},
+    "deepseek-v3's: latent attention, a dense first layer, shared experts": DEEPSEEK_V3 | {
+        "ep": 2, "dp_shard": 4, "num_query_groups": None, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 12, "moe_first_dense_layers": 1},
+}
+
+
+@pytest.mark.parametrize("knobs", STATE_CASES.values(), ids=STATE_CASES.keys())
+def test_each_ranks_states_are_those_torchtitans_own_parallelize_shards_to_the_byte(one_thread, knobs):
+    """Its trainer's parallelize function (parallelize_qwen3, parallelize_deepseekv3: expert parallel, then
+    apply_fsdp_to_decoder with the routed experts on efsdp), stepped once on a fake world of dp_shard ranks: this
+    rank's fp32 shards, their gradients and AdamW's m and v (beside a 0-d step per parameter) are --totals' terms."""
+    config = make_config(TORCHTITAN_LLAMA3, **(MOE | knobs))
+    measured, count = run_fake(_sharded_states, (config,), config.dp_shard)
+    terms = {x.name: x.bytes for x in per_gpu(config, NONE).worst().terms}
+    assert measured["weights"] == terms["states/weights"] and measured["grads"] == terms["states/grads"]
+    assert measured["adam"] == terms["states/adam_m"] + terms["states/adam_v"] + 4 * count
+
+
+def _sharded_states(tp, config) -> tuple[dict[str, int], int]:
+    """This rank's bytes of its shards, their gradients and its optimizer's states after one step, read off the
+    library's own DTensors (FSDPMemTracker instruments one parameter group a unit, not the two a MoE block has here),
+    and the parameters' count; each routed expert's on the efsdp mesh."""
+    with data_parallel(tp, config, NONE) as dims:
+        trainer = warmed_up_sharded(tp, config, NONE, dims, "balanced")
+        params = list(trainer.model.parameters())
+        routed = [p for name, p in trainer.model.named_parameters() if ".routed_experts." in name]
+        assert routed and all(p.device_mesh.mesh_dim_names == ("efsdp", "ep") for p in routed)
+        states = [x for state in trainer.optimizer.state.values() for x in state.values()]
+        return {"weights": sum(p.to_local().nbytes for p in params),
+                "grads": sum(p.grad.to_local().nbytes for p in params),
+                "adam": sum((x.to_local() if isinstance(x, DTensor) else x).nbytes for x in states)}, len(params)
 
 
 def test_the_layout_line_names_the_experts_own_fsdp2_ranks():
