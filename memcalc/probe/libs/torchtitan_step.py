@@ -116,10 +116,13 @@ def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelC
     """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh;
     with experts its MoE layers, the router forced to `route`), stepped once, then one step measured by
     FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
-    from memcalc.probe.libs.hf_fsdp import measure_sharded
+    from memcalc.probe.libs.fsdp_groups import GroupsMomentTracker
+    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES
 
     with data_parallel(tp, config, strategy) as dims, shim.flex_on_cpu() if device == "cuda" else nullcontext():
-        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route, device), tp, strategy)
+        trainer = warmed_up_sharded(tp, config, strategy, dims, route, device)
+        tracker = GroupsMomentTracker(trainer.model, trainer.optimizer)
+        return measure_trainer(trainer, tp, strategy, tracker, FSDP_CATEGORIES)
 
 
 @contextmanager
@@ -143,7 +146,8 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
             dims.build_mesh()
         with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
             warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
-            yield dims
+            with shim.every_rank_routes_alike() if config.ep > 1 else nullcontext():
+                yield dims
     finally:
         dist_utils.set_spmd_backend(before)
 

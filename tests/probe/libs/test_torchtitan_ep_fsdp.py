@@ -2,7 +2,9 @@
 ParallelDims takes the ep ranks from dp_shard (efsdp = dp_shard/ep), so each rank routes its own b*s tokens (not a
 slice of the sequence, as under ep = t) to E/ep whole experts over the all-to-all dispatcher. The layer runs as rank 0
 of a fake world of dp_shard ranks that its runner makes, its router forced: balanced (each rank receives k*b*s slots
-where ep divides them) and all-to-one (every rank's slots to rank 0's experts, the worst bound)."""
+where ep divides them) and all-to-one (every rank's slots to rank 0's experts, the worst bound). Its states and its
+whole step under torchtitan's own parallelize (FSDP2 of the routed experts over efsdp beside the rest over dp_shard,
+its explicit prefetching, the all-to-alls on funcol) are measured against --totals and the step walk to the byte."""
 
 from math import prod
 
@@ -24,14 +26,16 @@ from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs import torchtitan as runner  # noqa: E402
 from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.params import EXPERTS  # noqa: E402
 from memcalc.sizing.states import describe_sharding  # noqa: E402
 from memcalc.sizing.timeline.fsdp import Fsdp, _padded  # noqa: E402
-from memcalc.sizing.timeline.torchtitan import check_modelled  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
 from memcalc.sizing.totals import per_gpu  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
 
+from ..step_readings import assert_moments_in_order, assert_step_exact, torchtitan_fsdp_readings  # noqa: E402
 from . import assert_exact  # noqa: E402
 
 SIZES = {"b": 2, "s": 7, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
@@ -155,6 +159,46 @@ def test_the_layout_line_names_the_experts_own_fsdp2_ranks():
     assert describe_sharding(config) == "FSDP2 over dp_shard*cp=8, the experts' over dp_shard*cp/ep=4"
 
 
-def test_the_step_timeline_refuses_ep_over_dp_shard_by_name():
-    with pytest.raises(ConfigError, match=r"experts at ep=2 over dp_shard=4 \(FSDP2 of the routed experts over efsdp"):
-        check_modelled(build_config(SIZES | {"ep": 2, "dp_shard": 4}), NONE)
+STEP = MOE | {"ep": 2}
+STEP_CASES = [
+    ({"dp_shard": 2, "b": 1, "s": 7}, "balanced"),  # efsdp 1: the experts neither gathered nor reduce-scattered
+    ({"dp_shard": 2, "b": 2, "s": 9, "moe_tokens": "worst"}, "all-to-one"),
+    ({"dp_shard": 4, "b": 1, "s": 7, "moe_tokens": "worst"}, "all-to-one"),  # efsdp 2
+    ({"dp_shard": 4, "b": 2, "s": 9}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("recompute", ["none", "op", "full"])
+@pytest.mark.parametrize("changes, route", STEP_CASES, ids=str)
+def test_its_step_with_experts_over_the_fsdp2_ranks_peaks_where_and_at_what_the_walk_says(one_thread, changes,
+                                                                                         route, recompute):
+    """torchtitan's own parallelize (expert parallel, each MoE block's fully_shard two parameter groups: the rest
+    over dp_shard, the routed experts over efsdp; its explicit prefetching) and the all-to-all dispatcher on funcol,
+    one step under FSDPMemTracker (each group instrumented): the peak, its moment, each category at it and the state
+    between steps to the byte."""
+    config = make_config(TORCHTITAN_LLAMA3, **(STEP | changes), recompute=recompute)
+    for r in measure_step(config, ["none"], route=route):
+        assert_step_exact(r)
+
+
+@pytest.mark.parametrize("changes, route", [
+    ({"dp_shard": 4, "b": 1, "s": 7}, "balanced"),  # the two groups' all-gathers prefetched, reduce-scatters kept
+    ({"dp_shard": 2, "b": 2, "s": 9, "recompute": "full"}, "balanced"),  # efsdp 1: cast and copied one by one
+    ({"dp_shard": 4, "b": 2, "s": 9, "recompute": "op", "moe_tokens": "worst"}, "all-to-one"),
+], ids=str)
+def test_every_moment_of_its_step_with_experts_over_the_fsdp2_ranks_is_fsdpmemtrackers(one_thread, changes, route):
+    config = make_config(TORCHTITAN_LLAMA3, **(STEP | changes))
+    predicted = timeline(config, NONE, CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none", route))
+
+
+@pytest.mark.parametrize("changes", [
+    {"ep": 4, "dp_shard": 4, "num_experts": 8, "b": 1, "s": 7},  # efsdp 1, two experts a rank
+    {"ep": 2, "dp_shard": 8, "b": 1, "s": 9},  # efsdp 4 above two experts a rank: Shard(1)
+    {"qk_layernorm": True, "ep": 2, "dp_shard": 4, "b": 2, "s": 7, "recompute": "op"},  # its Qwen3Model
+    DEEPSEEK_V3 | {"ep": 2, "dp_shard": 2, "num_query_groups": None, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+                   "qk_rope_head_dim": 4, "v_head_dim": 12, "moe_first_dense_layers": 1, "b": 1, "s": 9},
+], ids=str)
+def test_its_qwen3_and_deepseek_v3_steps_and_other_ep_layouts_peak_where_the_walk_says(one_thread, changes):
+    for r in measure_step(make_config(TORCHTITAN_LLAMA3, **(MOE | changes)), ["none"], route="balanced"):
+        assert_step_exact(r)
