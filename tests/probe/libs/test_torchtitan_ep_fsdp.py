@@ -88,6 +88,7 @@ def test_all_to_one_puts_every_ranks_slots_on_rank_0():
     ({"ep": 2, "dp_shard": 3}, "ep dividing dp_shard"),
     ({"ep": 2, "dp_shard": 2, "pp": 2, "L": 2}, "pp=2"),
     ({"ep": 2, "dp_shard": 2, "dp_replicate": 2}, "dp_replicate=2"),
+    ({"ep": 2, "dp_shard": 2, "cp": 2}, "cp=2"),
 ])
 def test_ep_over_dp_shard_beside_tp_pp_or_hsdp_or_not_dividing_it_is_refused_in_one_line(knobs, words):
     with pytest.raises(ConfigError, match=words) as caught:
