@@ -165,10 +165,7 @@ def layer_collectives(
     impl = implementation(knobs)
     tp_plan, sp = impl.tp_plan(knobs), strategy.sequence_parallel
     routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
-    if routes_shards and knobs.t == 1:
-        raise ConfigError(f"impl {knobs.impl}: ep={ep} over the data-parallel ranks (t = 1): the all-to-all of each"
-                          " rank's own tokens among them is not modelled here yet (ep = t under tp-sp is)")
-    if routes_shards and not sp:
+    if routes_shards and not sp and knobs.t > 1:
         raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
                           " there, whose collectives are not measured (tp-sp, ep = t is)")
     if knobs.mla and overlap:
@@ -183,6 +180,8 @@ def layer_collectives(
     blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and downs_gathered else
               _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
               _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
+    if routes_shards and knobs.t == 1:  # ep over the FSDP2 ranks: no TP pair runs, the MoE's exchange alone
+        blocks = [_routed_shards(knobs, tp_plan)]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
@@ -328,17 +327,17 @@ def _experts(
 
 
 def _routed_shards(knobs: Any, tp_plan: TPPlan) -> tuple[list[Collective], list[Collective]]:
-    """torchtitan's MoE at ep = t under SP: each rank routes its own sequence shard, nothing gathered at the block's
-    entry; spmd_types' all_to_all exchanges the token counts (int64) and then the routed slots over ep and returns
-    the experts' output (the routing scores stay on the rank: combine scales by them there). Shared experts, a
-    FeedForward of their own, then enter through g and leave through g*. Backward meets the shared experts first,
-    then each exchange reversed."""
+    """torchtitan's MoE at ep = t under SP, or at t = 1 with ep over the FSDP2 ranks: each rank routes its own
+    sequence shard (its own b*s tokens), nothing gathered at the block's entry; spmd_types' all_to_all exchanges the
+    token counts (int64) and then the routed slots over ep and returns the experts' output (the routing scores stay
+    on the rank: combine scales by them there). Shared experts, a FeedForward of their own, then enter through g and
+    leave through g* (at t > 1). Backward meets the shared experts first, then each exchange reversed."""
     bound = _BOUND[str(knobs.moe_tokens)]
     counts = Collective("moe/counts", "all-to-all", Op.ALL_TO_ALL, "forward", "each rank's token count per expert"
                         " (int64)", (Dim.E,), "the exchange's split sizes: how many slots each rank sends to each"
                         " expert", group=Group.EP, kind=Kind.INT64)
     routed = [counts, *(c for c in _all_to_alls(bound) if c.shape == _R_H)]  # the tokens, not the probabilities
-    shared = [c for r in tp_plan.ends(MOE)[1] if r.module.startswith("moe.shared_experts")
+    shared = [c for r in tp_plan.ends(MOE)[1] if r.module.startswith("moe.shared_experts") and knobs.t > 1
               for end, moves in (("enter", SHARED.entering), ("leave", SHARED.leaving))
               for half in _operator(SHARED.name, end, True, moves) for c in half]
     backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
@@ -525,7 +524,8 @@ _FACTORS = {
     (Group.EP, Count.WHOLE): ("(ep-1)/ep", "\\frac{ep-1}{ep}"),
     (Group.TP_EP, Count.EACH): ("(t*ep-1)", "(t \\, ep-1)"),
 }
-_FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)")}
+_FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)"),
+               (Group.EP, Count.WHOLE): _FACTORS[Group.EP, Count.WHOLE]}  # the token counts, at ep over dp_shard
 
 
 def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[str, str]:

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from memcalc.cli import cli
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
-from memcalc.model.comm import Op, formula, layer_collectives, layer_comm
+from memcalc.model.comm import Group, Op, formula, layer_collectives, layer_comm
 from memcalc.model.strategy import NONE, TP, TP_SP
 
 GPT = dict(b=2, s=64, h=128, a=8, t=4, L=6)
@@ -173,12 +173,16 @@ def test_comm_json_of_a_dense_and_moe_mix_counts_both_kinds_and_names_each_colle
     assert {c["over"] for c in tp_sp["collectives"]} == {"t", "ep", "t*ep"}
 
 
-def test_torchtitans_experts_over_the_data_parallel_shards_are_refused_by_what_comm_does_not_model():
-    """At t = 1 torchtitan's ep ranks are dp_shard's (its efsdp mesh): each rank's own tokens go round them, not a
-    slice of a replicated input as under tp."""
+def test_torchtitans_experts_over_the_data_parallel_shards_exchange_each_ranks_own_tokens_and_nothing_else():
+    """At t = 1 torchtitan's ep ranks are dp_shard's (its efsdp mesh): each rank's own tokens go round them, the
+    counts, the slots out and back, each reversed in backward; no TP pair runs, nor the shared experts' g and g*."""
     from tests.helpers import TORCHTITAN_LLAMA3
 
     config = build_config(TORCHTITAN_LLAMA3 | {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
-                                               "t": 1, "dp_shard": 4, "ep": 2})
-    with pytest.raises(ConfigError, match=r"^impl torchtitan: ep=2 over the data-parallel ranks \(t = 1\): the all-to"):
-        layer_collectives(config, NONE, ep=config.ep)
+                                               "moe_shared_expert_intermediate_size": 32, "t": 1, "dp_shard": 4,
+                                               "ep": 2, "recompute": "none"})
+    calls = layer_collectives(config, NONE, ep=config.ep)
+    assert [(c.name, c.phase) for c in calls] == [
+        ("moe/counts", "forward"), ("moe/dispatch", "forward"), ("moe/combine", "forward"),
+        ("moe/combine", "backward"), ("moe/dispatch", "backward")]
+    assert {c.group for c in calls} == {Group.EP}

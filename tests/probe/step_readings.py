@@ -33,7 +33,8 @@ def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) ->
     rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes); with experts the router forced to `route`."""
     from memcalc.model.strategy import STRATEGIES
     from memcalc.probe.launch import run_fake
-    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker
+    from memcalc.probe.libs.fsdp_groups import GroupsMomentTracker
+    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES
     from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded
 
     plan = STRATEGIES[strategy]
@@ -41,7 +42,7 @@ def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) ->
     def on_rank(tp):
         with data_parallel(tp, config, plan) as dims:
             trainer = warmed_up_sharded(tp, config, plan, dims, route)
-            tracker = reading_every_op(FsdpMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
+            tracker = reading_every_op(GroupsMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
             tracker.readings = []
             with tracker:
                 trainer.step()

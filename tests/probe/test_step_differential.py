@@ -149,6 +149,11 @@ _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.boo
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
 REDUCE = st.sampled_from(("fp32", "bf16"))  # transformers' FSDP2 takes either (torchtitan reduces in fp32 only)
+# experts over the FSDP2 ranks (t = 1, ep dividing dp_shard: torchtitan's efsdp = dp_shard/ep, its training layout)
+_TORCHTITAN_EP_FSDP = _knobs(num_experts=st.sampled_from((2, 4, 6, 8)), moe_router_topk=st.integers(1, 3),
+                             ep=st.sampled_from((2, 4)), dp_shard=st.sampled_from((2, 4, 8)),
+                             moe_shared_expert_intermediate_size=st.sampled_from((None, 8)), dtype=DTYPES,
+                             recompute=st.sampled_from(("none", "full", "op")), reshard_after_forward=st.booleans())
 _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
                   recompute=st.sampled_from(("none", "full")), reduce_dtype=REDUCE, **_FSDP)
 _HF_MOE_FSDP = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
@@ -214,6 +219,8 @@ SUBJECTS = (
                                         "rotary_percent": 0.5} | LLAMA, _HF, ts=(1,)),
     Subject("hf gpt_oss", "transformers", GPT_OSS, _HF_GPT_OSS, routes=(BALANCED, ROUTES[2]), align=8, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
+    Subject("torchtitan moe, ep over fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_EP_FSDP, routes=ROUTES[:2], align=8,
+            ts=(1,)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
     Subject("hf olmo fsdp2", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"},
             _HF_FSDP, ts=(1, 2)),

@@ -73,7 +73,8 @@ def every_rank_routes_alike() -> Iterator[None]:
             return received
         received = torch.ops._c10d_functional.wait_tensor(received)  # (ep, E/ep): each source rank's counts
         mine = counts.view(ep, -1)[torch.distributed.get_rank(group)]
-        received.copy_(mine.expand(ep, -1))
+        with torch.autograd._unsafe_preserve_version_counter(received):  # SelectiveAC caches the all-to-all's output
+            received.copy_(mine.expand(ep, -1))  # (on DTensor funcol's) and refuses a version bumped in between
         return received
 
     with patched(AllToAllTokenDispatcher, _token_count_exchange=exchanged):

@@ -116,10 +116,13 @@ def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelC
     """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh;
     with experts its MoE layers, the router forced to `route`), stepped once, then one step measured by
     FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
-    from memcalc.probe.libs.hf_fsdp import measure_sharded
+    from memcalc.probe.libs.fsdp_groups import GroupsMomentTracker
+    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES
 
     with data_parallel(tp, config, strategy) as dims, shim.flex_on_cpu() if device == "cuda" else nullcontext():
-        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route, device), tp, strategy)
+        trainer = warmed_up_sharded(tp, config, strategy, dims, route, device)
+        tracker = GroupsMomentTracker(trainer.model, trainer.optimizer)
+        return measure_trainer(trainer, tp, strategy, tracker, FSDP_CATEGORIES)
 
 
 @contextmanager
@@ -134,8 +137,8 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
     t = config.t if strategy.tensor_parallel else 1
     replicas = config.dp_replicate or 1
     backend = "partial_dtensor"
-    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=config.cp, tp=t, pp=config.pp, ep=1,
-                        world_size=tp.size, spmd_backend=backend)
+    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=config.cp, tp=t, pp=config.pp,
+                        ep=config.ep, world_size=tp.size, spmd_backend=backend)
     before = dist_utils.get_spmd_backend()
     dist_utils.set_spmd_backend(backend)  # the runtime's, which torchtitan's loss reads
     try:
@@ -143,7 +146,8 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
             dims.build_mesh()
         with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
             warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
-            yield dims
+            with shim.every_rank_routes_alike() if config.ep > 1 else nullcontext():
+                yield dims
     finally:
         dist_utils.set_spmd_backend(before)
 
@@ -166,12 +170,11 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
 
 def parallelized(model: Any, config: ModelConfig, dims: Any, device: torch.device) -> None:
-    """`model` (the whole model, or a pipeline stage's chunk) laid out by torchtitan's own parallelize_llama over
-    `dims` (TP, activation checkpointing, FSDP2 with the reshard policy `reshard_after_forward` picks: "default",
-    which torchtitan turns to "never" when `dims` has pp > 1, or "never"), then given its own storage and
-    initialised."""
+    """`model` (the whole model, or a pipeline stage's chunk) laid out by torchtitan's own parallelize function over
+    `dims` (`parallelize_fn`: TP or expert parallel, activation checkpointing, FSDP2 with the reshard policy
+    `reshard_after_forward` picks: "default", which torchtitan turns to "never" when `dims` has pp > 1, or "never"),
+    then given its own storage and initialised."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.llama3.parallelize import parallelize_llama
 
     precision = {"bf16": "bfloat16", "fp32": "float32"}
     training = TrainingConfig(mixed_precision_param=precision[config.dtype],
@@ -179,10 +182,28 @@ def parallelized(model: Any, config: ModelConfig, dims: Any, device: torch.devic
     policy = "default" if config.reshard_after_forward else "never"
     layout = ParallelismConfig(spmd_backend=dims.spmd_backend, fsdp_reshard_after_forward=policy)
     with shim.cuda_like_op_checkpointing():
-        parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=titan.ac_config(config),
-                          dump_folder="", training=training, parallelism=layout)
+        parallelize_fn(config)(model, parallel_dims=dims, compile_config=CompileConfig(),
+                               ac_config=titan.ac_config(config), dump_folder="", training=training,
+                               parallelism=layout)
     model.to_empty(device=device)
     torch.manual_seed(BATCH_SEED)
     with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are
         warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
         model.init_states(buffer_device=device)
+
+
+def parallelize_fn(config: ModelConfig) -> Callable:
+    """The parallelize function torchtitan's trainer calls: with experts over the FSDP2 ranks (ep > 1) its MoE models'
+    (parallelize_deepseekv3 with latent attention, else parallelize_qwen3), which apply expert parallel and shard the
+    routed experts over efsdp; parallelize_llama elsewhere (its dense and ep = 1 layouts are theirs too)."""
+    if config.ep > 1 and config.mla:
+        from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+        return parallelize_deepseekv3
+    if config.ep > 1:
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+        return parallelize_qwen3
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    return parallelize_llama

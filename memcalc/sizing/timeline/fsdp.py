@@ -8,7 +8,9 @@ embedding, final norm, lm_head, unsharded from its forward to the end of backwar
 its apply_fsdp_to_decoder): tok_embeddings, every block (a MoE one with its experts: one unit at ep = 1), then norm
 and lm_head as one unit never resharded after forward, the model's own call holding nothing; its trainer zeroes the
 sharded gradients in place (zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard
-is added into them. Both
+is added into them. At ep > 1
+(experts over the FSDP2 ranks) a MoE block's fully_shard makes two parameter groups, each gathered and reduced on its
+own (`block_groups`), and torchtitan prefetches each unit's all-gathers explicitly (`prefetch`). Both
 with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over dp_shard ranks. What torch 2.13's FSDP2 does,
 and so what the tape holds:
 
@@ -52,6 +54,7 @@ from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARA
 
 ROOT = "root"
 OUTPUT = "norm+lm_head"  # torchtitan's last unit
+EXPERT_GROUP = " experts"  # a block's routed experts' parameter group at ep > 1, named after the block's
 
 
 def _padded(shape: tuple[int, ...], shards: int, dim1: bool = False) -> int:
@@ -112,13 +115,24 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 
 def torchtitan_units(c: ModelConfig, t: int, layers: range | None = None) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its Llama3Model (memcalc.sizing.params.torchtitan_layer_params): the
-    embedding, each block (of `layers`, all by default), and norm with lm_head, never resharded after forward ("as an
-    optimization": FSDP2 would prefetch them at once). Under pp its "default" policy reshards none after forward."""
+    embedding, each block (of `layers`, all by default; `block_groups`), and norm with lm_head, never resharded after
+    forward ("as an optimization": FSDP2 would prefetch them at once). Under pp its "default" policy reshards none
+    after forward."""
     reshard = c.reshard_after_forward and c.pp == 1
-    blocks = (Unit(f"layers.{i}", torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i)), reshard)
-              for i in (range(c.L) if layers is None else layers))
+    blocks = (g for i in (range(c.L) if layers is None else layers) for g in block_groups(c, t, i, reshard))
     return (Unit("tok_embeddings", part(c, t, "first"), reshard), *blocks,
             Unit(OUTPUT, part(c, t, "last"), False))
+
+
+def block_groups(c: ModelConfig, t: int, i: int, reshard: bool) -> tuple[Unit, ...]:
+    """Block i's fully_shard: one parameter group; a MoE block's at ep > 1 two (its shard_placement_fn gives the
+    routed experts the efsdp mesh, and FSDP2 makes a group of each process group's parameters, in the order their
+    first parameter comes): the rest over dp_shard, then the routed experts (`EXPERT_GROUP`) over efsdp."""
+    params = torchtitan_layer_params(c, t, torchtitan_block(i, c), c.is_moe_layer(i))
+    if c.ep == 1 or not c.is_moe_layer(i):
+        return (Unit(f"layers.{i}", params, reshard),)
+    return (Unit(f"layers.{i}", tuple(p for p in params if p.group is not EXPERTS), reshard),
+            Unit(f"layers.{i}{EXPERT_GROUP}", tuple(p for p in params if p.group is EXPERTS), reshard))
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class Fsdp:
     replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
     sync: bool = True  # False: each backward keeps the gradients unreduced (`accumulate_unsynced`)
     experts: int = 0  # under ep > 1 the ranks of efsdp, the routed experts' own mesh (0: theirs is `shards` too)
+    explicit: bool = False  # torchtitan's explicit prefetching at ep > 1 (`prefetch`), not FSDP2's implicit
 
     @classmethod
     def torchtitan(cls, config: ModelConfig, t: int, sp: bool, stage: Stage | None = None) -> Fsdp:
@@ -150,7 +165,7 @@ class Fsdp:
         dim1 = frozenset(p.module for u in units for p in u.params if expert_dim1(config) and p.group is EXPERTS)
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
                    accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1, sync=config.pp == 1,
-                   experts=efsdp(config) if config.ep > 1 else 0)
+                   experts=efsdp(config) if config.ep > 1 else 0, explicit=config.ep > 1)
 
     def unit_of(self, module: str) -> str | None:
         """The unit that holds the parameter of `module` (named by the module's path); None if no unit does."""
@@ -167,10 +182,18 @@ class Fsdp:
     def unit(self, block: str) -> Unit:
         return next(u for u in self.units if u.name == block)
 
+    def groups(self, block: str) -> tuple[str, ...]:
+        """The parameter groups of a unit, in FSDP2's order: the unit's own, and at ep > 1 its routed experts'."""
+        return tuple(u.name for u in self.units if u.name in (block, f"{block}{EXPERT_GROUP}"))
+
     def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
-        return sum(_padded(p.shape, self.shards, p.module in self.dim1) for p in self.unit(block).params
+        return sum(_padded(p.shape, self._shards(p), p.module in self.dim1) for p in self.unit(block).params
                    if modules is None or p.module in modules)
+
+    def sharded(self, block: str, modules: Collection[str] | None = None) -> int:
+        """Elements of this rank's shard of a block (or of those of its parameters in `modules`)."""
+        return sum(self._own(p) for p in self.unit(block).params if modules is None or p.module in modules)
 
     @property
     def shard(self) -> int:
@@ -181,8 +204,11 @@ class Fsdp:
     def _own(self, p: Param) -> int:
         """Elements of this rank's shard of `p`: of the whole padded parameter one of `shards`, a routed expert's
         under ep > 1 one of efsdp (apply_fsdp_to_decoder's per-parameter mesh, `experts`)."""
-        shards = self.experts if self.experts and p.group is EXPERTS else self.shards
-        return _padded(p.shape, shards, p.module in self.dim1) // shards
+        return _padded(p.shape, self._shards(p), p.module in self.dim1) // self._shards(p)
+
+    def _shards(self, p: Param) -> int:
+        """The ranks `p` is sharded over: efsdp for a routed expert's under ep > 1, else dp_shard."""
+        return self.experts if self.experts and p.group is EXPERTS else self.shards
 
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
@@ -196,28 +222,39 @@ class Fsdp:
         if self.accumulate:
             tape.add("states/grads", GRADIENTS, 4 * shard, "the sharded fp32 gradients, zeroed in place between steps")
 
-    def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
+    def all_gather(self, tape: Tape, block: str, phase: str, where: str, filed: bool = True) -> None:
         """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every
         rank's shards; the casts are freed once copied in. In fp32 there is no cast (FSDP2 clamps a param_dtype equal
-        to the shards' to None): the shards are the all-gather's input."""
-        whole, made = self.unsharded(block), ACTIVATIONS if phase == "forward" else TEMPORARIES
+        to the shards' to None): the shards are the all-gather's input. `filed`: FSDPMemTracker files the buffer as
+        FSDP2's own (inside a unit's pre-forward or pre-backward hook; not in backward after it, where torchtitan's
+        explicit prefetch issues it)."""
+        made = ACTIVATIONS if phase == "forward" else TEMPORARIES
         if self.act != 4:
-            tape.add(f"fsdp/{block} cast", made, self.act * whole // self.shards,
+            tape.add(f"fsdp/{block} cast", made, self.act * self.sharded(block),
                      "this rank's shards cast to param_dtype, the all-gather's input")
         name = f"fsdp/{block} all-gather"
         # FSDPMemTracker files the buffer as the op's output first, as FSDP2's own once it is told of it
-        tape.add(name, made, self.act * whole, "FSDP2's all-gather output: the whole block in param_dtype, one flat"
-                 " buffer")
+        tape.add(name, made, self.act * self.unsharded(block), "FSDP2's all-gather output: the whole block in"
+                 " param_dtype, one flat buffer")
         tape.mark(phase, where, f"FSDP2's all-gather of {block}: its output, beside this rank's cast shards")
-        tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
-        tape.mark(phase, where, f"FSDP2's all-gather of {block}: its buffer beside this rank's cast shards")
+        if filed:
+            tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
+            tape.mark(phase, where, f"FSDP2's all-gather of {block}: its buffer beside this rank's cast shards")
         tape.drop(f"fsdp/{block} cast")
 
-    def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
+    def copy_out(self, tape: Tape, unit: str, phase: str, where: str) -> None:
+        """Each parameter group of `unit` unsharded in turn (`_copy_out`)."""
+        for block in self.groups(unit):
+            self._copy_out(tape, block, phase, where)
+
+    def _copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """The gathered buffer copied into each parameter's unsharded storage (wait_for_unshard). In backward the
-        buffer is freed at once; in forward FSDP2 keeps it until the next block's copy-out has made its storages
-        (implicit prefetch), the last one until the root's forward returns (`forward_done`)."""
+        buffer is freed at once; in forward FSDP2 keeps it until the next group's copy-out has made its storages
+        (its all_gather_state), the last one until the root's forward returns (`forward_done`)."""
         if f"fsdp/{block} unsharded" in tape.live:
+            return
+        if self._alone(block):
+            self._copy_alone(tape, block, phase, where)
             return
         if f"fsdp/{block} all-gather" not in tape.live:
             self.all_gather(tape, block, phase, where)
@@ -238,12 +275,65 @@ class Fsdp:
             self.forward_done(tape, keep=block)
         else:
             tape.drop(f"fsdp/{block} all-gather")
-        tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
+        if phase == "backward" or not self.explicit:  # else once the unit's prefetch is issued (`pre_forward`)
+            tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
 
-    @staticmethod
-    def forward_done(tape: Tape, keep: str | None = None) -> None:
-        """Free the all-gather buffers forward kept (all but `keep`'s)."""
-        tape.drop(*[n for n in tape.live if n.endswith(" all-gather") and n != f"fsdp/{keep} all-gather"])
+    def _alone(self, block: str) -> bool:
+        """Whether `block` is a group over one rank: the routed experts' at ep = dp_shard (efsdp 1), which FSDP2
+        neither all-gathers nor reduce-scatters (`_copy_alone`, `_reduce_alone`)."""
+        return self.experts == 1 and block.endswith(EXPERT_GROUP)
+
+    def _copy_alone(self, tape: Tape, block: str, phase: str, where: str) -> None:
+        """wait_for_unshard over one rank: parameter by parameter this rank's shard cast to param_dtype (its
+        all_gather_inputs; none in fp32) and copied into its unsharded storage, each cast held by the loop's variable
+        until the next one's is made and the last until the call returns; then in forward the all-gather buffer the
+        previous group left (its all_gather_state) goes. FSDPMemTracker files the storages as it files a gathered
+        group's."""
+        made, stored = (ACTIVATIONS, ACTIVATIONS) if phase == "forward" else (TEMPORARIES, PARAMETERS)
+        params = self.unit(block).params
+        for i, p in enumerate(params):
+            if self.act != 4:
+                tape.add(f"fsdp/{block} cast {i}", made, self.act * self._own(p), "this rank's shard cast to"
+                         " param_dtype (one rank: it is the whole parameter)")
+                tape.mark(phase, where, f"FSDP2 casts {p.module}'s shard (one rank: nothing to all-gather)")
+            tape.add(f"fsdp/{block} unsharded {i}", stored, self.act * self._own(p), "the parameter's unsharded"
+                     " storage, the cast copied in")
+            tape.drop(f"fsdp/{block} cast {i - 1}")
+            tape.mark(phase, where, f"FSDP2 copies {p.module}'s shard into its unsharded storage")
+        tape.drop(*[f"fsdp/{block} unsharded {i}" for i in range(len(params))], f"fsdp/{block} cast {len(params) - 1}")
+        tape.add(f"fsdp/{block} unsharded", stored, self.act * self.unsharded(block), "the block's parameters whole,"
+                 " in param_dtype, while it runs")
+        if phase == "forward":
+            self.forward_done(tape, keep=block)
+
+    def forward_done(self, tape: Tape, keep: str | None = None) -> None:
+        """Free the all-gather buffers forward kept: all but `keep`'s, and under explicit prefetching not those of
+        the groups after it (prefetched, not yet copied out)."""
+        names = [u.name for u in self.units]
+        pending = names[names.index(keep) + 1:] if keep is not None and self.explicit else []
+        tape.drop(*[f"fsdp/{n} all-gather" for n in names if n != keep and n not in pending])
+
+    def pre_forward(self, tape: Tape, unit: str, where: str, following: str | None) -> None:
+        """FSDP2's pre-forward of `unit`: its groups unsharded, then under explicit prefetching the `following`
+        unit's all-gathers issued; FSDPMemTracker files the unsharded parameters as such once the hook returns."""
+        self.copy_out(tape, unit, "forward", where)
+        if not self.explicit:
+            return
+        if following != unit:
+            self.prefetch(tape, following, "forward", where)
+        for name in (f"fsdp/{g} unsharded" for g in self.groups(unit)):
+            tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
+
+    def prefetch(self, tape: Tape, unit: str | None, phase: str, where: str) -> None:
+        """torchtitan's explicit prefetching at ep > 1 (set_modules_to_forward_prefetch and _backward_prefetch): in a
+        unit's pre-forward, after its own copy-out, the next unit's groups all-gathered in order; in its pre-backward
+        the previous unit's, in reverse. FSDP2 skips a group already unsharded or gathered."""
+        if not self.explicit or unit is None:
+            return
+        groups = self.groups(unit) if phase == "forward" else reversed(self.groups(unit))
+        for block in (g for g in groups if not self._alone(g)):
+            if f"fsdp/{block} unsharded" not in tape.live and f"fsdp/{block} all-gather" not in tape.live:
+                self.all_gather(tape, block, phase, where, filed=phase == "forward")
 
     @staticmethod
     def block_of(where: str) -> str:
@@ -254,12 +344,15 @@ class Fsdp:
     def post_forward(self, tape: Tape, block: str) -> None:
         """reshard_after_forward frees a unit's unsharded parameters (the hf root's stay for backward)."""
         if self.unit(block).reshard_after_forward:
-            tape.drop(f"fsdp/{block} unsharded")
+            tape.drop(*[f"fsdp/{g} unsharded" for g in self.groups(block)])
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
-        """The block unsharded (copied out if resharded), then the next block's all-gather issued."""
+        """The block unsharded (copied out if resharded), then the next block's all-gather issued (explicitly at
+        ep > 1, `prefetch`)."""
         self.copy_out(tape, block, "backward", where)
-        if prefetch is not None and f"fsdp/{prefetch} unsharded" not in tape.live:
+        if self.explicit:
+            self.prefetch(tape, prefetch, "backward", where)
+        elif prefetch is not None and f"fsdp/{prefetch} unsharded" not in tape.live:
             self.all_gather(tape, prefetch, "backward", where)
 
     def keep_grad(self, tape: Tape, where: str, name: str, nbytes: int) -> None:
@@ -330,9 +423,13 @@ class Fsdp:
         reduced = {n: self.all_reduced(tape, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
         tape.drop(f"fsdp/{block} unsharded")
-        # the previous block's reduce-scatter buffer, waited on now
-        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
+        if f"{block}{EXPERT_GROUP}" not in self.groups(block):  # a unit's last group waits (not the dense one
+            # before its experts'): the previous reduce-scatter buffers, waited on now
+            tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
+        if self._alone(block):
+            self._reduce_alone(tape, block, where, grads, made)
+            return
         dim1 = self._dim0_copies(tape, block, where, grads, made)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
@@ -345,7 +442,7 @@ class Fsdp:
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"
-        tape.add(out, made, self.reduce * whole // self.shards,
+        tape.add(out, made, self.reduce * self.sharded(block, modules),
                  "this rank's shard of the block's gradients, in reduce_dtype")
         tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
         tape.live[rs] = tape.live[rs]._replace(category=GRADIENTS)  # filed as the reduce-scatter's input
@@ -353,7 +450,8 @@ class Fsdp:
         # HSDP: FSDP2 holds the all-reduce's input, the reduce_dtype output, to the end of backward (AllReduceState)
         held_input = f"fsdp/{block} all-reduce"
         if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes, or is held
-            tape.add(f"{out} (fp32)", made, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
+            tape.add(f"{out} (fp32)", made, 4 * self.sharded(block, modules), "the shard cast to the parameters'"
+                     " fp32")
             tape.mark("backward", where, f"{block}'s gradient shard cast to fp32")
             if self.replicas > 1:
                 tape.rename(out, held_input)
@@ -367,6 +465,22 @@ class Fsdp:
             tape.drop(out)
         else:
             tape.live[out] = tape.live[out]._replace(category=GRADIENTS)
+
+    def _reduce_alone(self, tape: Tape, block: str, where: str, grads: list[str], made: str) -> None:
+        """foreach_reduce over one rank (the routed experts' at efsdp 1, fp32 reduce, no HSDP): the gradients copied
+        into the flat reduce_dtype input, all freed (no first loop over Shard(1) chunks holds the last), an output as
+        large, filled with the input divided by torchtitan's factor (a temporary quotient), added into the sharded
+        gradients and freed; the input is kept as the reduce-scatter's would be. FSDPMemTracker sees no
+        reduce-scatter, so it files the input as made."""
+        whole, rs = self.reduce * self.unsharded(block), f"fsdp/{block} reduce-scatter"
+        tape.add(rs, made, whole, "FSDP2's reduce input: the block's gradients in reduce_dtype, one flat buffer")
+        tape.mark("backward", where, f"FSDP2's reduce buffer for the gradients of {block} (one rank)")
+        tape.drop(*grads)
+        tape.add(f"fsdp/{block} sharded grads", made, whole, "the reduce's output: the whole block, one rank's")
+        tape.mark("backward", where, f"the gradients of {block} copied in and freed, the output made")
+        tape.add(f"fsdp/{block} quotient", made, whole, "the input divided by the gradient divide factor")
+        tape.mark("backward", where, f"the gradients of {block} divided, to be copied into the output")
+        tape.drop(f"fsdp/{block} quotient", f"fsdp/{block} sharded grads")
 
     def accumulate_unsynced(self, tape: Tape, block: str, where: str) -> None:
         """FSDP2's post-backward under set_requires_gradient_sync(False) and set_reshard_after_backward(False): the

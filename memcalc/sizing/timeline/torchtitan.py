@@ -26,7 +26,7 @@ from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
-from memcalc.sizing.timeline.torchtitan_moe import moe_ops
+from memcalc.sizing.timeline.torchtitan_moe import exchanged, moe_ops
 from memcalc.sizing.timeline.torchtitan_ops import (
     attention_kernel, first_residual, gather, gathered_dy, keeps_input, norm, norm_out, pre_norm, reduce_scatter,
     reduce_scattered, rope_ops, stream_after_attention,
@@ -163,11 +163,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
                                                         " so w2 and wo gather their inputs and weights in backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.moe and config.ep > 1 and config.dp_shard is not None, f"experts at ep={config.ep} over"
-         f" dp_shard={config.dp_shard} (FSDP2 of the routed experts over efsdp = dp_shard/ep={rules.efsdp(config)},"
-         " the all-to-all's buffers)"),
-        (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
-         " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
+        (config.moe and config.ep == config.t > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under"
+         " tp without sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is"
+         " modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings and config.dp_shard is not None,
          "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
@@ -193,9 +191,10 @@ def stage_layers(config: ModelConfig, stage: Stage) -> range:
 def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
     and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
-    wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save).
-    Under FSDP2 its apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no
-    FSDP unit: FSDPMemTracker reads the rerun's tensors as temporaries."""
+    wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save),
+    and at ep > 1 the MoE's all-to-all outputs (funcol's all_to_all_single, on that list too). Under FSDP2 its
+    apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no FSDP unit:
+    FSDPMemTracker reads the rerun's tensors as temporaries."""
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
@@ -203,8 +202,9 @@ def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None
     cached = rules.op_checkpoint(config, config.is_moe_layer(i), at) if config.recompute == "op" else ()
     cached = tuple(torchtitan_mla.cached_as(x, z) for x in cached)  # DeepSeek-V3's outputs kept as other terms too
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
+    all_to_alls = exchanged(p) if cached and z.dtensor and config.ep > 1 and config.is_moe_layer(i) else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
-                                               *scattered)),
+                                               *scattered, *all_to_alls)),
                       ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
 
 
@@ -223,7 +223,7 @@ class Segment:
         post-forward; the model's forward returns after the last unit's (its last all-gather buffer freed)."""
         tape = self.walk.tape
         if fsdp is not None and self.unit is not None:
-            fsdp.copy_out(tape, self.unit, "forward", self.where)
+            fsdp.pre_forward(tape, self.unit, self.where, following)
         self.walk.forward(self.ops)
         if fsdp is not None and self.unit is not None and following != self.unit:
             fsdp.post_forward(tape, self.unit)
@@ -241,8 +241,8 @@ class Segment:
             return
         where = self.walk.module if self.walk.checkpoint is not None else self.where
         # at lm_head the unit is still unsharded from forward, and FSDP2 issues the last block's all-gather only at
-        # the norm's pre-backward (FSDPMemTracker's readings): nothing happens here
-        if self.unit != OUTPUT or self.where != "lm_head":
+        # the norm's pre-backward (FSDPMemTracker's readings): nothing happens here, unless prefetched explicitly
+        if self.unit != OUTPUT or self.where != "lm_head" or fsdp.explicit:
             fsdp.pre_backward(tape, self.unit, where, prefetch)
         self.walk.backward(self.ops)
         if self.unit != "tok_embeddings":
@@ -252,8 +252,9 @@ class Segment:
 def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
     """FSDP2's post-backward of `unit` for the parameters that have a gradient now (norm and lm_head's runs twice:
     after lm_head's backward, with lm_head's alone, and after the norm's, which gathers the unit again)."""
-    held = tuple(n.split(" grad ", 1)[1] for n in tape.live if n.startswith(f"fsdp/{unit} grad "))
-    fsdp.post_backward(tape, unit, where, held)
+    for group in reversed(fsdp.groups(unit)):  # autograd runs the last group's hook first
+        held = tuple(n.split(" grad ", 1)[1] for n in tape.live if n.startswith(f"fsdp/{group} grad "))
+        fsdp.post_backward(tape, group, where, held)
 
 
 def _keep_grad(tape: Tape, fsdp: Fsdp):

@@ -215,15 +215,13 @@ def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, 
         return Step(what, (Made(f"{n}/{name}", r, "(r/t,) int64"),), frees=frees)
 
     return (Op("moe.routed_experts", forward=(
-        Step("the counts' all-to-all: its output chunks", (Made(f"{n}/count chunks", 8 * e, "ep (E/ep,) int64"),)),
-        Step("stacked: each rank's counts for these experts", (Made(f"{n}/received counts", 8 * e, "(ep, E/ep)"),),
-             frees=(f"{n}/count chunks",)),
+        *_all_to_all(z, f"{n}/received counts", 8 * e, "the counts' all-to-all", "each rank's counts for these"
+                     " experts", "(ep, E/ep) int64", joined="stacked"),
         Step("the input splits", (Made(f"{n}/input splits", 8 * ep, "(ep,) int64"),)),
         Step("the output splits", (Made(f"{n}/output splits", 8 * ep, "(ep,) int64"),),
              frees=(f"{n}/input splits", f"{n}/output splits")),  # .tolist(): the splits are Python's
-        Step("the rows' all-to-all: its output chunks", (Made(f"{n}/chunks", received, "ep (r/t/ep, h)"),)),
-        Step("concatenated: the rows received", (Made(f"{n}/received", received, "(r/t, h) bf16, rank-major"),),
-             frees=(f"{n}/chunks",)),
+        *_all_to_all(z, f"{n}/received", received, "the rows' all-to-all", "the rows received",
+                     "(r/t, h) bf16, rank-major"),
         Step("_permute: cumsum of the counts", (Made(f"{n}/cumsum", 8 * e, "(E,) int64"),)),
         Step("each segment's start", (Made(f"{n}/starts", 8 * e, "(E,) int64"),), frees=(f"{n}/cumsum",)),
         Step("the lengths expert-major", (Made(f"{n}/lengths", 8 * e, "(E,) int64"),)),
@@ -247,10 +245,26 @@ def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, 
         Step("the reorder's backward: zeros", (Made(f"{g}/received zeros", received, "(r/t, h) bf16"),)),
         Step("index_put: each row's gradient", (Made(f"{g}/received", received, "bf16"),),
              frees=(f"{g}/received zeros", f"{g}/experts input"), returns=True),
-        Step("the all-to-all's backward: its output chunks", (Made(f"{g}/chunks", rows, "ep chunks"),)),
-        Step("concatenated: the sent rows' gradient", (Made(f"{g}/rows", rows, "(k*b*s/t, h) bf16"),),
-             frees=(f"{g}/chunks", f"{g}/received")),
+        *_all_to_all(z, f"{g}/rows", rows, "the all-to-all's backward", "the sent rows' gradient",
+                     "(k*b*s/t, h) bf16", frees=(f"{g}/received",)),
     ), saves=(rules.MOE_PERMUTED_INDICES,)),)
+
+
+def exchanged(p: str) -> tuple[str, ...]:
+    """The outputs of block `p`'s all-to-alls at ep > 1 (the counts', the rows' out and back): on DTensor funcol's
+    all_to_all_single makes them, which torchtitan's SelectiveAC caches (its list of communication ops to save)."""
+    return f"{p}/moe/received counts", f"{p}/moe/received", f"{p}/moe/returned"
+
+
+def _all_to_all(z: Sizes, out: str, nbytes: int, what: str, made: str, why: str, frees: tuple[str, ...] = (),
+                joined: str = "concatenated") -> tuple[Step, ...]:
+    """An all-to-all's output `out` (`made`, in words): on spmd_types (the TP plan's runtime) torch.distributed's
+    all_to_all into chunks, one a rank, then `joined`; on DTensor (partial_dtensor, under FSDP2) funcol's
+    all_to_all_single makes it at once. `frees`: what goes once it is made."""
+    if z.dtensor:
+        return (Step(f"{what}: {made}", (Made(out, nbytes, why),), frees=frees),)
+    return (Step(f"{what}: its output chunks", (Made(f"{out} chunks", nbytes, "ep chunks"),)),
+            Step(f"{joined}: {made}", (Made(out, nbytes, why),), frees=(f"{out} chunks", *frees)))
 
 
 def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
@@ -277,13 +291,11 @@ def _returned(p: str, z: Sizes, sizes: Slots) -> Op:
     received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
     return Op("moe.routed_experts", forward=(
         Step("_unpermute: the rows rank-major", (Made(f"{n}/unpermuted", received, "(r/t, h) bf16"),)),
-        Step("the all-to-all back: its output chunks", (Made(f"{n}/chunks back", rows, "ep chunks"),)),
-        Step("concatenated: this rank's slots' outputs", (Made(f"{n}/returned", rows, "(k*b*s/t, h) bf16"),),
-             frees=(f"{n}/chunks back", f"{n}/unpermuted")),
+        *_all_to_all(z, f"{n}/returned", rows, "the all-to-all back", "this rank's slots' outputs",
+                     "(k*b*s/t, h) bf16", frees=(f"{n}/unpermuted",)),
     ), backward=(
-        Step("the all-to-all's backward: its output chunks", (Made(f"{g}/chunks back", received, "ep chunks"),)),
-        Step("concatenated", (Made(f"{g}/returned", received, "(r/t, h) bf16"),),
-             frees=(f"{g}/chunks back", f"{g}/experts/returned")),
+        *_all_to_all(z, f"{g}/returned", received, "the all-to-all's backward", "the received rows' gradient",
+                     "(r/t, h) bf16", frees=(f"{g}/experts/returned",)),
         Step("_unpermute's backward: the rows expert-major", (Made(f"{g}/experts/output", received, "bf16"),),
              frees=(f"{g}/returned",)),
     ))

@@ -190,6 +190,24 @@ def test_torchtitans_moe_at_ep_t_exchanges_each_ranks_own_slots_in_order(t, bloc
     assert [r.name for r in rows if r.name.startswith("moe/")][:3] == ["moe/counts", "moe/dispatch", "moe/combine"]
 
 
+@pytest.mark.parametrize("recompute", ["none", "op", "full"])
+@pytest.mark.parametrize("layout", [{"ep": 2, "dp_shard": 2}, {"ep": 2, "dp_shard": 4},
+                                    {"ep": 4, "dp_shard": 4, "num_experts": 8}], ids=str)
+@pytest.mark.parametrize("block", [MOE, SHARED, SHARED | LATENT],
+                         ids=["experts", "shared experts too", "deepseek-v3: after latent attention"])
+def test_torchtitans_moe_with_ep_over_the_fsdp2_ranks_exchanges_each_ranks_own_tokens_in_order(block, layout,
+                                                                                              recompute):
+    """t = 1, the ep ranks dp_shard's (its efsdp mesh): each rank's b*s tokens' counts and slots exchanged over ep by
+    spmd_types' all_to_all and returned, each reversed in backward (under checkpointing rerun first: SelectiveAC
+    caches no collective of spmd_types); nothing else (the shared experts run whole)."""
+    pytest.importorskip("torchtitan")
+    config = build_config(TORCHTITAN | block | layout | {"t": 1, "s": 16, "num_query_groups": 4,
+                                                         "recompute": recompute})
+    rows = _rows(config, "none")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert {r.name for r in rows} == {"moe/counts", "moe/dispatch", "moe/combine"}
+
+
 def test_torchtitans_moe_at_ep_under_tp_without_sp_is_refused_naming_the_layout():
     config = build_config(TORCHTITAN | MOE | {"t": 2, "ep": 2, "s": 16})
     with pytest.raises(ConfigError, match="^impl torchtitan: ep=2 under tp: its MoE slices the replicated input"):
