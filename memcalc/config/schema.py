@@ -483,10 +483,21 @@ def check_megatron_split(config: ModelConfig) -> None:
     if accounted and c.vpp is not None:
         raise ConfigError(f"{said} with vpp={c.vpp}: the first or last rank's model chunks would hold layers of two"
                           " counts, which memcalc's interleaved schedule does not size; leave vpp out")
+    _check_shares(c, ends, len(accounted), said)
+    if min(megatron_chunk_layers(c)) < 1:
+        raise ConfigError(f"{said} with L={c.L}, pp={c.pp}: a pipeline stage would hold no layers, which memcalc"
+                          " does not size")
+
+
+def _check_shares(config: ModelConfig, ends: dict[str, int], accounted: int, said: str) -> None:
+    """ConfigError where the layers of an uneven split (the `ends` set, `accounted` ends counted as layers; `said`
+    names the knobs) do not fall in whole shares as megatron-core's TransformerConfig asks: each end's over its vpp
+    chunks, the rest over the stages between and each of those over its chunks."""
+    c = config
     for knob, n in ends.items() if c.vpp is not None else ():
         divides(c.vpp, "vpp", n, knob, "megatron-core's TransformerConfig raises ValueError: each of the stage's"
                 " model chunks holds as many layers")
-    stages, rest = c.pp - len(ends), c.L + len(accounted) - sum(ends.values())
+    stages, rest = c.pp - len(ends), c.L + accounted - sum(ends.values())
     if rest < 0 or bool(rest) != bool(stages):
         raise ConfigError(f"{said} with L={c.L}, pp={c.pp}: {rest} layers remain for the {stages} stages between"
                           " (megatron-core's TransformerConfig raises ValueError: every stage between holds layers)")
@@ -501,9 +512,6 @@ def check_megatron_split(config: ModelConfig) -> None:
     if stages and c.vpp is not None:
         divides(c.vpp, "vpp", rest // stages, "layers a stage between", "megatron-core's TransformerConfig raises"
                 " ValueError: its model chunks hold equal shares")
-    if min(megatron_chunk_layers(c)) < 1:
-        raise ConfigError(f"{said} with L={c.L}, pp={c.pp}: a pipeline stage would hold no layers, which memcalc"
-                          " does not size")
 
 
 # What each stack shards data-parallel states with: (refused when, why), in the order checked.
