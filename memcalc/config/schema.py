@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import MISSING, asdict, field, fields, replace
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,14 +174,14 @@ class ModelConfig(Knobs):
 
     def rank_chunks(self, rank: int) -> list[range]:
         """The layers of each model chunk pipeline rank `rank` holds: torchtitan's one contiguous share
-        (`torchtitan_split`), else Megatron-LM's chunks of L/(pp*vpp) layers, chunk c*pp + rank for each of the vpp
-        (interleaved 1F1B; one without)."""
-        pp, chunks = self.pp, self.vpp or 1
+        (`torchtitan_split`), else Megatron-LM's model chunks (`megatron_chunk_layers`) laid end to end in its
+        order, chunk c*pp + rank for each of the vpp (interleaved 1F1B; one without)."""
+        pp = self.pp
         if self.impl == "torchtitan" and pp > 1:
             split = torchtitan_split(self.L, pp)
             return [range(sum(split[:rank]), sum(split[:rank + 1]))]
-        n = self.L // (pp * chunks)
-        return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(chunks)]
+        starts = [0, *accumulate(megatron_chunk_layers(self))]
+        return [range(starts[c * pp + rank], starts[c * pp + rank + 1]) for c in range(self.vpp or 1)]
 
     @property
     def moe_layers(self) -> int:
@@ -404,9 +405,8 @@ def check_layout(config: ModelConfig) -> None:
     for refused, why in _TORCHTITAN_REFUSALS if c.impl == "torchtitan" else ():
         if refused(c):
             raise ConfigError("impl torchtitan: " + why.format(c=c))
-    chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
     if c.impl != "torchtitan":  # torchtitan's pipeline_llm splits any L (torchtitan_split)
-        divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+        check_megatron_split(c)
     elif c.pp > c.L + 2:
         raise ConfigError(f"impl torchtitan: pp={c.pp} above L+2={c.L + 2}: its pipeline_llm counts the embedding and"
                           " the output as a layer each and raises ValueError for a stage with none")
@@ -437,6 +437,81 @@ def check_layout(config: ModelConfig) -> None:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"
         )
+
+
+_ENDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+_ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+MEGATRON_SPLIT = (*_ENDS, *_ACCOUNTED)  # the knobs of Megatron's split, megatron-core's TransformerConfig's names
+
+
+def megatron_chunk_layers(config: ModelConfig) -> list[int]:
+    """The layers of each of Megatron-LM's model chunks, chunk c of pipeline rank r at c*pp + r, for a layout
+    `check_megatron_split` passed (megatron-core's get_num_layers_to_build): L/pp layers a rank, or the first's and
+    the last's num_layers_in_*_pipeline_stage and the rest in equal shares between; with account_for_*_in_pipeline
+    _split the embedding and the loss count as a layer each, the first chunk's and the last's; each rank's split
+    evenly over its vpp chunks."""
+    c, chunks = config, config.vpp or 1
+    ends = [getattr(c, name) for name in _ENDS]
+    accounted = [int(getattr(c, name)) for name in _ACCOUNTED]
+    given = [n for n in ends if n is not None]
+    middle = (c.L + sum(accounted) - sum(given)) // max(c.pp - len(given), 1)
+    ranks = [middle] * c.pp
+    ranks[0], ranks[-1] = ends[0] or ranks[0], ends[1] or ranks[-1]
+    found = [n // chunks for _ in range(chunks) for n in ranks]
+    found[0], found[-1] = found[0] - accounted[0], found[-1] - accounted[1]
+    return found
+
+
+def check_megatron_split(config: ModelConfig) -> None:
+    """ConfigError for a split of the layers over Megatron-LM's pipeline stages that megatron-core refuses
+    (TransformerConfig.__post_init__'s ValueErrors, get_num_layers_to_build's assertions), in its terms with the
+    numbers, or that memcalc does not size: a stage or chunk without layers, the embedding or the loss counted
+    under the interleaved schedule (chunks of two sizes on one rank)."""
+    c = config
+    ends = {name: getattr(c, name) for name in _ENDS if getattr(c, name) is not None}
+    accounted = [name for name in _ACCOUNTED if getattr(c, name)]
+    chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
+    if not ends and not accounted:
+        divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+        return
+    said = ", ".join([*(f"{k}={v}" for k, v in ends.items()), *accounted])
+    if c.pp < 2:
+        raise ConfigError(f"{said} with pp={c.pp}: a split of the layers over pipeline stages needs pp >= 2")
+    if ends and accounted:
+        raise ConfigError(f"{said}: megatron-core's TransformerConfig refuses num_layers_in_first/last_pipeline_stage"
+                          " with account_for_embedding/loss_in_pipeline_split (ValueError); give one kind")
+    if accounted and c.vpp is not None:
+        raise ConfigError(f"{said} with vpp={c.vpp}: the first or last rank's model chunks would hold layers of two"
+                          " counts, which memcalc's interleaved schedule does not size; leave vpp out")
+    _check_shares(c, ends, len(accounted), said)
+    if min(megatron_chunk_layers(c)) < 1:
+        raise ConfigError(f"{said} with L={c.L}, pp={c.pp}: a pipeline stage would hold no layers, which memcalc"
+                          " does not size")
+
+
+def _check_shares(config: ModelConfig, ends: dict[str, int], accounted: int, said: str) -> None:
+    """ConfigError where the layers of an uneven split (the `ends` set, `accounted` ends counted as layers; `said`
+    names the knobs) do not fall in whole shares as megatron-core's TransformerConfig asks: each end's over its vpp
+    chunks, the rest over the stages between and each of those over its chunks."""
+    c = config
+    for knob, n in ends.items() if c.vpp is not None else ():
+        divides(c.vpp, "vpp", n, knob, "megatron-core's TransformerConfig raises ValueError: each of the stage's"
+                " model chunks holds as many layers")
+    stages, rest = c.pp - len(ends), c.L + accounted - sum(ends.values())
+    if rest < 0 or bool(rest) != bool(stages):
+        raise ConfigError(f"{said} with L={c.L}, pp={c.pp}: {rest} layers remain for the {stages} stages between"
+                          " (megatron-core's TransformerConfig raises ValueError: every stage between holds layers)")
+    if not stages and c.vpp is not None:
+        raise ConfigError(f"{said} with pp={c.pp}, vpp={c.vpp}: no stage between the first and the last, and under"
+                          " the interleaved schedule megatron-core's get_transformer_layer_offset divides by their"
+                          " number (ZeroDivisionError); leave vpp out or use pp >= 3")
+    if stages:
+        what = "the stages between" if ends else "the stages, the embedding and the loss counted as layers,"
+        divides(stages, "stages", rest, "layers", f"megatron-core's TransformerConfig raises ValueError: {what}"
+                " hold equal shares")
+    if stages and c.vpp is not None:
+        divides(c.vpp, "vpp", rest // stages, "layers a stage between", "megatron-core's TransformerConfig raises"
+                " ValueError: its model chunks hold equal shares")
 
 
 # What each stack shards data-parallel states with: (refused when, why), in the order checked.

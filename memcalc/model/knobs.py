@@ -338,6 +338,35 @@ KNOBS: tuple[Knob, ...] = (
         " bool = False` (megatron-core 0.16.1, megatron/core/transformer/transformer_config.py:357). What it changes:"
         " megatron/core/fusions/fused_softmax.py:238-270, FusedScaleMaskSoftmax.is_kernel_available (the window)",
     ),
+    # -- Megatron's pipeline split (memcalc.config.schema.megatron_chunk_layers): where each pipeline rank's layers
+    # are; no layer keeps anything else, so each variant's layer is the seed's.
+    *(Knob(
+        f"num_layers_in_{end}_pipeline_stage", "size", None,
+        f"megatron: the {end} pipeline stage holds this many layers, the stages between an equal share of the rest"
+        f" (megatron-core's num_layers_in_{end}_pipeline_stage, Megatron-LM's --decoder-{end}-pipeline-num-layers;"
+        " default: L/pp a stage)",
+        lambda k, end=end: (None if getattr(k, f"num_layers_in_{end}_pipeline_stage") is None
+                            else f"{end} pipeline stage {getattr(k, f'num_layers_in_{end}_pipeline_stage')} layers"),
+        effects=(({f"num_layers_in_{end}_pipeline_stage": 3},
+                  f"No layer keeps anything else: the {end} pipeline stage holds three layers (per GPU: --totals)."),),
+        impls=(Impl.MEGATRON, Impl.PAPER),
+        source=f"megatron-core 0.16.1, megatron/core/transformer/transformer_config.py:62-68 (`num_layers_in_{end}"
+        "_pipeline_stage: Optional[int] = None`); placed by transformer_block.py get_num_layers_to_build and"
+        " transformer_layer.py get_transformer_layer_offset",
+    ) for end in ("first", "last")),
+    *(Knob(
+        f"account_for_{end}_in_pipeline_split", "flag", False,
+        f"megatron: the {end} counts as a layer when the layers are split over the pipeline stages, so the"
+        f" {stage} stage holds one layer fewer (megatron-core's account_for_{end}_in_pipeline_split)",
+        lambda k, end=end: f"{end} counted in the pipeline split" if getattr(k, f"account_for_{end}_in_pipeline_split")
+        else None,
+        effects=(({f"account_for_{end}_in_pipeline_split": True},
+                  f"No layer keeps anything else: the {stage} pipeline stage holds one layer fewer (per GPU:"
+                  " --totals)."),),
+        impls=(Impl.MEGATRON, Impl.PAPER),
+        source=f"megatron-core 0.16.1, megatron/core/transformer/transformer_config.py:96-102 (`account_for_{end}"
+        "_in_pipeline_split: bool = False`); placed by transformer_block.py get_num_layers_to_build",
+    ) for end, stage in (("embedding", "first"), ("loss", "last"))),
     Knob(
         "num_experts", "size", None, "routed experts in a mixture-of-experts MLP (default: none, a dense MLP)",
         _moe, symbol="E",

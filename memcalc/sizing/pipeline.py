@@ -1,6 +1,6 @@
 """Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps in flight
 (Megatron-LM's 1F1B and interleaved 1F1B: its warm-up forwards plus one). The first and the last stage bound every
-GPU where every rank's layers are alike (else `kinds_changed`); the counts are derived in docs/guide-fit-totals.md
+GPU where every rank's layers are alike (else `layers_changed`); the counts are derived in docs/guide-fit-totals.md
 (section 1, `layers`).
 """
 
@@ -33,29 +33,30 @@ class Stage:
         return self.output_in_flight > 0
 
 
-def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) -> tuple[Stage, ...]:
+def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None,
+           held: tuple[int, int] | None = None) -> tuple[Stage, ...]:
     """The stages that bound per-GPU memory: the only one, or the first and the last, for a validated layout;
-    `microbatches` caps what a stage keeps when the step is shorter than the warm-up."""
+    `microbatches` caps what a stage keeps when the step is shorter than the warm-up; `held`: the layers the first
+    and the last rank hold where Megatron's split is uneven (`ModelConfig.rank_chunks`), else L/pp each."""
     m = microbatches
     if pp == 1:
         return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time", 1),)
     chunks = vpp or 1
-    chunk = L // (pp * chunks)
+    ends = [n // chunks for n in held or (L // pp, L // pp)]  # the layers of one model chunk of each
     first, last = in_flight(pp, vpp, 0, m), in_flight(pp, vpp, pp - 1, m)
     short = m is not None and all_warmup(pp, vpp, 0, m)
     embedding = first if vpp is None else (m if short else 2 * pp)
     output = 1  # the last rank's output chunk is never all warm-up: p | m, so m*vpp > (vpp - 1)p
     why = f" (a step of only {m}: all forwards before any backward)" if short else ""
     if vpp is None:
-        says = (f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}",
-                f"1F1B keeps 1 micro-batch of {chunk} layers")
+        says = (f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {ends[0]} layers{why}",
+                f"1F1B keeps 1 micro-batch of {ends[1]} layers")
     else:
-        says = (f"interleaved 1F1B keeps {first} chunk-micro-batches of {chunk} layers, {embedding} of them the"
-                f" embedding's chunk{why}", f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
-                f" {output} of them the output layer's chunk")
-    held = chunk * chunks
-    return (Stage("first", held, chunk * first, embedding, 0, says[0], first),
-            Stage("last", held, chunk * last, 0, output, says[1], last))
+        says = (f"interleaved 1F1B keeps {first} chunk-micro-batches of {ends[0]} layers, {embedding} of them the"
+                f" embedding's chunk{why}", f"interleaved 1F1B keeps {last} chunk-micro-batches of {ends[1]}"
+                f" layers, {output} of them the output layer's chunk")
+    return (Stage("first", ends[0] * chunks, ends[0] * first, embedding, 0, says[0], first),
+            Stage("last", ends[1] * chunks, ends[1] * last, 0, output, says[1], last))
 
 
 def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
@@ -80,32 +81,40 @@ def torchtitan_microbatches(config: ModelConfig) -> int:
 
 def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
     """The stages whose step timelines bound per-GPU memory: under torchtitan's pipeline every rank's
-    (`torchtitan_stages`), else `stages`, with layers of two kinds beside them each middle rank whose layers' kinds
-    differ from the rank before it (`kinds_changed`)."""
+    (`torchtitan_stages`), else `stages`, with beside them each middle rank whose layers differ in number or kinds
+    from the rank's before it (`layers_changed`)."""
     c = config
     if c.impl == "torchtitan" and c.pp > 1:
         return torchtitan_stages(c.L, c.pp, torchtitan_microbatches(c))
-    first, *last = stages(c.L, c.pp, c.vpp, c.microbatches)
-    return (first, *(middle_stage(c, r) for r in range(1, c.pp - 1) if kinds_changed(c, r)), *last)
+    held = (_held(c, 0), _held(c, c.pp - 1))
+    first, *last = stages(c.L, c.pp, c.vpp, c.microbatches, held)
+    return (first, *(middle_stage(c, r) for r in range(1, c.pp - 1) if layers_changed(c, r)), *last)
 
 
-def kinds_changed(config: ModelConfig, rank: int) -> bool:
-    """Whether pipeline rank `rank`'s layers (`ModelConfig.rank_chunks`) are of other kinds, dense or MoE, than the
-    rank's before it: DeepSeek-V3's first dense layers on the first rank, MoE ones from the next on. Of ranks alike,
-    the lowest keeps the most micro-batches in flight (`in_flight`), the same states: the others bound nothing."""
-    def kinds(r: int) -> list[bool]:
-        return [config.is_moe_layer(i) for x in config.rank_chunks(r) for i in x]
-    return config.moe and kinds(rank) != kinds(rank - 1)
+def _held(config: ModelConfig, rank: int) -> int:
+    """The layers pipeline rank `rank` holds (`ModelConfig.rank_chunks`)."""
+    return sum(map(len, config.rank_chunks(rank)))
+
+
+def layers_changed(config: ModelConfig, rank: int) -> bool:
+    """Whether pipeline rank `rank`'s model chunks (`ModelConfig.rank_chunks`) hold other numbers or kinds of layers,
+    dense or MoE, than the rank's before it: DeepSeek-V3's first dense layers on the first rank, MoE ones from the
+    next on; under Megatron's uneven split a first stage of num_layers_in_first_pipeline_stage layers, the next of
+    its share of the rest. Of ranks alike, the lowest keeps the most micro-batches in flight (`in_flight`), the same states: the others
+    bound nothing."""
+    def kinds(r: int) -> list[list[bool]]:
+        return [[config.is_moe_layer(i) for i in x] for x in config.rank_chunks(r)]
+    return kinds(rank) != kinds(rank - 1)
 
 
 def middle_stage(config: ModelConfig, rank: int) -> Stage:
-    """Pipeline rank `rank` of Megatron-LM's schedule, neither the first nor the last: L/pp layers, its in_flight
-    chunk-micro-batches of L/(pp*vpp) kept."""
+    """Pipeline rank `rank` of Megatron-LM's schedule, neither the first nor the last: its layers
+    (`ModelConfig.rank_chunks`), its in_flight chunk-micro-batches of a model chunk's layers kept."""
     c = config
-    chunk, kept = c.L // (c.pp * (c.vpp or 1)), in_flight(c.pp, c.vpp, rank, c.microbatches)
+    chunk, kept = len(c.rank_chunks(rank)[0]), in_flight(c.pp, c.vpp, rank, c.microbatches)
     says = (f"1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''}" if c.vpp is None else
             f"interleaved 1F1B keeps {kept} chunk-micro-batches")
-    return Stage(f"rank {rank}", c.L // c.pp, chunk * kept, 0, 0, f"{says} of {chunk} layers", kept)
+    return Stage(f"rank {rank}", _held(c, rank), chunk * kept, 0, 0, f"{says} of {chunk} layers", kept)
 
 
 def stage_rank(name: str, pp: int) -> int:

@@ -15,7 +15,7 @@ from functools import lru_cache
 from math import lcm, prod
 from typing import Callable, Iterable
 
-from memcalc.config.schema import ModelConfig
+from memcalc.config.schema import ModelConfig, megatron_chunk_layers
 from memcalc.errors import ConfigError
 from memcalc.model.impls.torchtitan import efsdp
 from memcalc.model.knobs import DTYPE_BYTES
@@ -25,9 +25,10 @@ from memcalc.sizing.pipeline import Stage, stage_rank
 
 def check_expert_states(config: ModelConfig) -> None:
     """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
-    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides it);
-    first dense layers are each stage's own under Megatron's 1F1B (one chunk a rank: memcalc.sizing.pipeline's
-    `kinds_changed`) and torchtitan's split, not under the interleaved schedule nor transformers' pipeline."""
+    and with pipelining every chunk of Megatron's layers must hold the same share of MoE layers (freq divides each,
+    `megatron_chunk_layers`); first dense layers are each stage's own under Megatron's 1F1B (one chunk a rank:
+    memcalc.sizing.pipeline's `layers_changed`) and torchtitan's split, not under the interleaved schedule nor
+    transformers' pipeline."""
     c = config
     if not c.moe:
         return
@@ -35,7 +36,6 @@ def check_expert_states(config: ModelConfig) -> None:
     if (c.t * c.cp * c.dp) % (c.ep * etp):
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
                           " group has t*cp*dp/(ep*etp) ranks")
-    chunk = c.L // (c.pp * (c.vpp or 1))
     if c.moe_first_dense_layers and c.vpp is not None:
         raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with vpp={c.vpp}: memcalc counts every"
                           " interleaved model chunk a stage keeps as holding the same kinds of layers, which the first"
@@ -44,9 +44,13 @@ def check_expert_states(config: ModelConfig) -> None:
         raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: under impl hf memcalc"
                           " counts every pipeline chunk as holding the same kinds of layers, which the first stage's"
                           " dense layers break; use pp 1 (impl megatron and torchtitan size each stage's own layers)")
-    if c.pp > 1 and chunk % c.moe_layer_freq and c.impl != "torchtitan":  # its one chunk a rank: its own share
+    if c.pp == 1 or c.impl == "torchtitan":  # its one chunk a rank: its own share
+        return
+    chunk = next((n for n in megatron_chunk_layers(c) if n % c.moe_layer_freq), None)
+    if chunk is not None:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
-                          " (L/(pp*vpp)): memcalc counts each chunk a stage keeps as holding layers/freq MoE layers")
+                          " (L/(pp*vpp), or the uneven split's): memcalc counts each chunk a stage keeps as holding"
+                          " layers/freq MoE layers")
 
 
 def moe_layers_held(config: ModelConfig, stage: Stage) -> int:

@@ -209,3 +209,28 @@ def test_impl_torchtitan_takes_an_l_that_pp_does_not_divide(pp):
     """torchtitan's pipeline_llm splits any L, up to pp = L + 2 (the embedding and the output a layer each)."""
     built = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "L": 4, "impl": "torchtitan", "pp": pp})
     assert [len(built.rank_chunks(r)[0]) for r in range(pp)] == torchtitan_split(4, pp)
+
+
+FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
+EMBEDDING, LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"pp": 4, FIRST: 3}, r"^layers=7 is not divisible by stages=3 \(megatron-core's TransformerConfig raises"),
+    ({"pp": 2, FIRST: 3, LAST: 3}, r"with L=10, pp=2: 4 layers remain for the 0 stages between"),
+    ({"pp": 3, FIRST: 6, LAST: 6}, r"with L=10, pp=3: -2 layers remain for the 1 stages between"),
+    ({"pp": 3, "vpp": 2, FIRST: 3}, rf"^{FIRST}=3 is not divisible by vpp=2"),
+    ({"pp": 4, "vpp": 2, FIRST: 2, LAST: 2}, r"^layers a stage between=3 is not divisible by vpp=2"),
+    ({"pp": 2, "vpp": 2, FIRST: 4, LAST: 6}, r"megatron-core's get_transformer_layer_offset divides by their number"),
+    ({"pp": 3, EMBEDDING: True}, r"^layers=11 is not divisible by stages=3"),
+    ({"pp": 3, FIRST: 2, LOSS: True}, r"megatron-core's TransformerConfig refuses num_layers_in_first/last"),
+    ({"pp": 2, "vpp": 2, EMBEDDING: True, LOSS: True}, r"with vpp=2: the first or last rank's model chunks would hold"),
+    ({"pp": 11, EMBEDDING: True}, r"a pipeline stage would hold no layers, which memcalc does not size"),
+    ({"pp": 1, LAST: 10}, rf"^{LAST}=10 with pp=1: a split of the layers over pipeline stages needs pp >= 2"),
+    ({"pp": 2, FIRST: 5, "impl": "hf"}, rf"^{FIRST}=5 is a setting of impl megatron, paper only; impl hf has none"),
+])
+def test_megatrons_uneven_pipeline_split_is_refused_where_megatron_core_refuses_it(layout, message):
+    """Each split megatron-core refuses (its ValueErrors, or a division by zero) and each memcalc does not size, named
+    with its numbers: before the split knobs, any L that pp did not divide was refused whatever the library took."""
+    with pytest.raises(ConfigError, match=message):
+        build_config({"b": 1, "s": 16, "h": 64, "a": 8, "L": 10, "impl": "megatron"} | layout)

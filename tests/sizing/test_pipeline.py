@@ -114,3 +114,29 @@ def test_megatrons_middle_ranks_bound_memory_where_their_layers_kinds_change(den
     assert [x.name for x in found] == names
     assert [x.layer_slots for x in found] == [2 * (4 - stage_rank(x.name, 4)) for x in found]
     assert [(x.has_embedding, x.has_output) for x in found[1:-1]] == [(False, False)] * (len(names) - 2)
+
+
+DENSE = dict(impl="megatron", s=16, h=32, a=4)
+
+
+@pytest.mark.parametrize("split, held", [
+    # DeepSeek-V3's 61 layers over 16 stages (3 + 14*4 + 2): rank 1 holds 4 layers at 15 micro-batches in flight
+    ({"L": 61, "pp": 16, "num_layers_in_first_pipeline_stage": 3, "num_layers_in_last_pipeline_stage": 2},
+     {"first": (3, 3 * 16), "rank 1": (4, 4 * 15), "last": (2, 2)}),
+    # the first stage alone set: the last holds the others' share
+    ({"L": 10, "pp": 4, "num_layers_in_first_pipeline_stage": 1}, {"first": (1, 4), "rank 1": (3, 9), "last": (3, 3)}),
+    # a first stage holding more than the rest: the ranks after it alike, none between bounds memory
+    ({"L": 10, "pp": 4, "num_layers_in_first_pipeline_stage": 4}, {"first": (4, 16), "rank 1": (2, 6), "last": (2, 2)}),
+    # the embedding and the loss each counted as a layer: (L + 2)/pp = 3 a rank, one fewer on either end
+    ({"L": 10, "pp": 4, "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True},
+     {"first": (2, 8), "rank 1": (3, 9), "last": (2, 2)}),
+    # interleaved: each rank's layers in vpp chunks of equal size, (in flight) chunk-micro-batches of a chunk's layers
+    ({"L": 10, "pp": 3, "vpp": 2, "num_layers_in_first_pipeline_stage": 2, "num_microbatches": 3},
+     {"first": (2, 1 * 6), "rank 1": (4, 2 * 6), "last": (4, 2 * 4)}),
+])
+def test_megatrons_uneven_split_sizes_each_rank_whose_layer_count_changes(split, held):
+    """Megatron's num_layers_in_first/last_pipeline_stage and account_for_*_in_pipeline_split: each stage holds its
+    rank's own layers (`ModelConfig.rank_chunks`) with its schedule's micro-batches in flight (the split changes no
+    warm-up), and the first middle rank whose layer count differs from the rank's before it is sized beside the ends."""
+    found = pipeline_stages(build_config(DENSE | split))
+    assert {x.name: (x.layers, x.layer_slots) for x in found} == held

@@ -11,7 +11,7 @@ from typing import Any
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, drop_small
-from memcalc.model.knobs import KNOBS, Accounting, Knobs
+from memcalc.model.knobs import KNOBS, Accounting, Impl, Knobs
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
@@ -39,7 +39,7 @@ def outside(knobs: Any) -> str | None:
     h = getattr(knobs, "h", None)
     for knob in KNOBS:
         value = getattr(seed, knob.name)
-        if knob.name in MODELLED or value == knob.default:
+        if knob.name in MODELLED or Impl.PAPER in knob.impls or value == knob.default:  # its own: Megatron's split
             continue
         if knob.name == "ffn_hidden_size" and (h is None or value == 4 * h):  # a knob set alone has no h: its
             continue  # config was checked, and a formula writes the width f (the seed's 4h when f = 4h)

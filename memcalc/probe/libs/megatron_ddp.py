@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memcalc.config.schema import ModelConfig
+from memcalc.config.schema import MEGATRON_SPLIT, ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.libs.megatron import _quiet, transformer_config
 from memcalc.probe.libs.megatron_shim import cpu_buffers, mla_core_attention
@@ -69,8 +69,7 @@ def _chunk_buffers(config: ModelConfig, chunk: int) -> list[Buffer]:
 
     c = config
     core = transformer_config(c, c.t, False)
-    core = replace(core, num_layers=c.L, pipeline_model_parallel_size=c.pp,
-                   virtual_pipeline_model_parallel_size=c.vpp, pipeline_dtype=core.params_dtype)
+    core = replace(core, **pipeline_fields(c), pipeline_dtype=core.params_dtype)
     pp_group, vpp = parallel_state.get_pipeline_model_parallel_group(), c.vpp
     spec = get_gpt_decoder_block_spec(core, use_transformer_engine=False, normalization=core.normalization,
                                       vp_stage=chunk if vpp else None)
@@ -88,6 +87,14 @@ def _chunk_buffers(config: ModelConfig, chunk: int) -> list[Buffer]:
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(core, ddp_config, module)
     return [*(_read(x, False) for x in ddp.buffers), *(_read(x, True) for x in ddp.expert_parallel_buffers)]
+
+
+def pipeline_fields(config: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig's pipeline layout for memcalc's: the L layers over pp stages of vpp model chunks each, split
+    as Megatron's split knobs say (their names are megatron-core's)."""
+    c = config
+    return dict(num_layers=c.L, pipeline_model_parallel_size=c.pp, virtual_pipeline_model_parallel_size=c.vpp,
+                **{name: getattr(c, name) for name in MEGATRON_SPLIT})
 
 
 def _padded_vocab(config: ModelConfig) -> int:

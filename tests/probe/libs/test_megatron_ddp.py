@@ -46,6 +46,15 @@ SHAPES = {
         "pp": 4, "L": 8, "moe_first_dense_layers": 3, "ep": 2, "dp": 4},
     "a first dense layer at pp 3, shared experts, t 2": MOE | {"pp": 3, "L": 6, "moe_first_dense_layers": 1, "t": 2,
                                                               "moe_shared_expert_intermediate_size": 70},
+    # Megatron's uneven split (num_layers_in_first/last_pipeline_stage, account_for_*_in_pipeline_split): each rank's
+    "uneven over pp 4: 1 layer first, 3 last, 2 on each rank between": {
+        "pp": 4, "L": 8, "num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 3},
+    "uneven under vpp 2: 2 layers first, 4 on the rank between and on the last": {
+        "pp": 3, "vpp": 2, "L": 10, "num_layers_in_first_pipeline_stage": 2, "num_microbatches": 3},
+    "the embedding and the loss counted as layers over pp 3: 2, 3 and 2 layers, untied": LLAMA | {
+        "pp": 3, "L": 7, "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True},
+    "first dense layers on an uneven split, ep 2: 3 layers first (2 dense), 2 on each other rank": MOE | {
+        "pp": 4, "L": 9, "num_layers_in_first_pipeline_stage": 3, "moe_first_dense_layers": 2, "ep": 2, "dp": 4},
 }
 
 
