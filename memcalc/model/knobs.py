@@ -120,7 +120,7 @@ class Knob:
 
     `kind` is "choice" (one of `choices`), "name" (a name from a table a floor above, or None: the family,
     checked by memcalc.model.families), "size" (a positive integer, or None for
-    the default that depends on other sizes), "probability" (0 <= p < 1),
+    the default that depends on other sizes), "count" (a whole number, 0 or more), "probability" (0 <= p < 1),
     "factor" (a positive number, or None for none) or "flag" (a boolean). `describe` gives the words of the model's one-line
     description from a config or knob set (None: another knob's words carry it).
     """
@@ -509,6 +509,16 @@ KNOBS: tuple[Knob, ...] = (
                   " end keeps tanh's (b, s, v) output in the activation dtype beside the loss's logits (--totals)."),),
     ),
     Knob(
+        "loss_chunks", "count", 8, "torchtitan: its ChunkedLossWrapper splits the final norm's output into this many"
+        " sequence chunks, each run through lm_head, the loss and their backward in turn (its model configs' loss);"
+        " 0: its plain CrossEntropyLoss over the whole logits (its *_ce_loss configs)",
+        lambda k: None if k.loss_chunks == 8 else "plain loss" if k.loss_chunks == 0 else f"loss in {k.loss_chunks}"
+        " chunks", impls=(Impl.TORCHTITAN,),
+        source="torchtitan 0.3.0 components/loss.py, ChunkedLossWrapper.Config: `num_chunks: int = 8`; every model"
+        " config of its config_registry.py sets `loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(...))`"
+        " but llama3_debugmodel_ce_loss, whose `loss=CrossEntropyLoss.Config()` is the plain loss",
+    ),
+    Knob(
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
         " norm with rotary_percent (GPT-NeoX's use_parallel_residual), without it Falcon's parallel_attn (RoPE on"
         " whole heads) through one norm (single_norm, Falcon-7B's) or ln_attn and ln_mlp (new_decoder_architecture)", lambda k: "parallel residual" if k.parallel_residual else None,
@@ -647,7 +657,7 @@ def _knobs_namespace() -> dict[str, Any]:
     }
 
 
-_TYPES = {"choice": str, "name": "str | None", "size": "int | None", "probability": float, "factor": "float | None",
+_TYPES = {"choice": str, "name": "str | None", "size": "int | None", "count": int, "probability": float, "factor": "float | None",
           "flag": bool}
 
 Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickling across the probe's processes

@@ -67,7 +67,6 @@ class StageTrainer(Trainer):
         super().register(tracker)
         infos = (*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values())
         tracker.track_held(*(x.buffer for recv in infos for x in recv if getattr(x, "buffer", None) is not None))
-        tracker.called_per_microbatch.add(self.model)
 
     def step(self) -> None:
         """The schedule's step (`scheduled_step`), then memcalc's AdamW."""

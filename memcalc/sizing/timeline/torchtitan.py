@@ -120,6 +120,9 @@ class Parts:
         chunk = [*(first if stage.has_embedding else []), *self.blocks(layers)]
         if not stage.has_output:
             return chunk, []
+        if config.loss_chunks:
+            return [*chunk, self.ends(OUTPUT, "norm", final_norm_ops(z, config))], [
+                LossChunks(None, "", Walk(self.tape, "", "", self.end, self.hand_over), chunked_loss(z, config))]
         *norm, lm_head, loss = output_ops(z, config, pipelined)
         return [*chunk, self.ends(OUTPUT, "norm", tuple(norm)), self.ends(OUTPUT, "lm_head", (lm_head,))], [
             self.ends(None, "", (loss,))]
@@ -247,6 +250,31 @@ class Segment:
         self.walk.backward(self.ops)
         if self.unit != "tok_embeddings":
             _post_backward(fsdp, tape, self.unit, self.where)
+
+
+@dataclass(frozen=True)
+class LossChunks:
+    """torchtitan's ChunkedLossWrapper (`chunked_loss`) as a segment of the trainer's ops: inside the trainer's
+    forward each chunk's forward and backward (loss.backward() on it, its seed gone as it returns); nothing in the
+    model's backward, where its autograd node hands the accumulated gradient to the final norm."""
+
+    unit: None
+    where: str
+    walk: Walk
+    ops: tuple[Op, tuple[tuple[Op, ...], ...], Op]
+
+    def forward(self, fsdp: Fsdp | None, following: str | None) -> None:
+        start, chunks, end = self.ops
+        self.walk.forward((start,))
+        for *loss, written in chunks:
+            self.walk.forward(tuple(loss))
+            self.walk.backward(tuple(loss))
+            self.walk.tape.drop(GRAD_SEED)
+            self.walk.forward((written,))
+        self.walk.forward((end,))
+
+    def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
+        """Nothing: the chunks' backward ran in forward."""
 
 
 def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
@@ -607,18 +635,44 @@ def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
 def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[Op, ...]:
     """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens; `pipelined`, as the
     pipeline schedule computes it: the trainer's count of valid tokens and the schedule's logits outlive the loss."""
+    logits = z.tokens(z.act * z.v_t)
+    head = linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
+                  z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
+                  dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
+    return (*final_norm_ops(z, config), head, cross_entropy(z, *_freed_by_trainer(pipelined)))
+
+
+def final_norm_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The final norm, under tp its output gathered whole (lm_head's input is Replicate): the output layer's input,
+    `ledger.OUTPUT_INPUT`, whose gradient is "grad/lm_head dx"."""
     last = f"layers.{config.L}/input"
+    return (
+        norm("norm", z, rules.FINAL_NORM, "", norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+             "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
+             frees=() if z.sp else (last,)),
+        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
+                frees=("norm out",) if keeps_input(z) else ("norm out", last)),  # the norm keeps its input
+    )
+
+
+def cross_entropy(z: Sizes, pred: tuple[str, ...], count: tuple[str, ...], value: str = "loss/value",
+                  then: tuple[Step, ...] = ()) -> Op:
+    """torchtitan's cross_entropy_loss over (b, s) tokens' logits, divided by the valid tokens into `value` (0-d fp32);
+    after the division `pred` goes, and in the division's backward `count` (`_freed_by_trainer`); `then`, what the
+    caller does before loss.backward() seeds autograd; under tp vocabulary-parallel (`_loss_parallel`)."""
+    if z.t > 1:
+        return _loss_parallel(z, pred, count, value, then)
     logits, fp32, cast = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t), z.act != 4  # fp32: .float() is a no-op
-    pred, count = _freed_by_trainer(pipelined)
-    loss = Op("", forward=(
+    return Op("", forward=(
         *((Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),)
           if cast else ()),
         Step("log_softmax", (Made("loss/log_softmax", fp32, "fp32; nll_loss's and its own backward keep it"),)),
         Step("nll_loss: the summed loss and its count", (Made("loss/sum", 4, "0-d fp32"),
                                                           Made("loss/total_weight", 4, "0-d fp32, kept")),
              frees=("loss/logits fp32",)),
-        Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("divided by the valid tokens", (Made(value, 4, _value_why(value)),)),
         Step("", frees=("loss/sum", *pred)),
+        *then,
         Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     ), backward=(
         Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=count),
@@ -629,19 +683,67 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
         *((Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),),
                 frees=("grad/logits fp32",)),) if cast else ()),
     ))
-    if z.t > 1:
-        loss = _loss_parallel(z, pipelined)
-    return (
-        norm("norm", z, rules.FINAL_NORM, "", norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
-             "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
-             frees=() if z.sp else (last,)),
-        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out",) if keeps_input(z) else ("norm out", last)),  # the norm keeps its input
-        linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
-               z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
-               dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),
-        loss,
-    )
+
+
+def chunked_loss(z: Sizes, config: ModelConfig) -> tuple[Op, tuple[tuple[Op, ...], ...], Op]:
+    """torchtitan's ChunkedLossWrapper (components/loss.py) on the final norm's output, the trainer's pred (the
+    hidden states, whole under tp): their and the labels' loss_chunks chunks along s, the fp32 GradAccumulator and
+    the 0-d sum of the loss; then each chunk's ops, walked forward and backward in turn (`LossChunks`): lm_head,
+    `cross_entropy` over its tokens, the sum, and its gradient written into the buffer in fp32; at the end the buffer
+    cast to the training dtype, the final norm's dY, and the wrapper's and trainer's locals gone."""
+    n = config.loss_chunks
+    part = replace(z, s=z.s // n, s_seq=z.s // n)  # one chunk's tokens, replicated over the TP ranks
+    copied = z.b > 1 and n > 1  # a chunk of a (b, s, ...) tensor along s is a view only with one row, or one chunk
+    hidden = tuple(f"loss/hidden chunk {i}" for i in range(n)) if copied else ()
+    labels = tuple(f"loss/label chunk {i}" for i in range(n)) if copied else ()
+    positions = tuple(f"loss/positions chunk {i}" for i in range(n)) if copied and z.cuda else ()
+    fp32 = z.act == 4  # the buffer is then the accumulated gradient itself: .to(float32) is a no-op
+    buffer = "grad/lm_head dx" if fp32 else "loss/gradient buffer"
+    start = Op("", forward=(
+        *((Step("the hidden states' chunks: contiguous copies", tuple(
+            Made(x, part.tokens(z.act * z.h), "lm_head's input, a leaf detached from the model") for x in hidden)),)
+          if copied else ()),
+        *(Step(f"the {what} chunks", tuple(Made(x, part.tokens(8), "int64, contiguous") for x in names))
+          for what, names in (("labels'", labels), ("positions'", positions)) if names),
+        Step("GradAccumulator's buffer", (Made(buffer, z.tokens(4 * z.h), "zeros: each chunk's dX in fp32"),)),
+        Step("the loss's running sum", (Made(_total(0, n), 4, "0-d fp32"),)),
+    ), backward=())
+    chunks = tuple(_loss_chunk(z, part, config, i, n) for i in range(n))
+    end = Op("", forward=(
+        *(() if fp32 else (Step("the accumulated gradient cast to the training dtype", (
+            Made("grad/lm_head dx", z.tokens(z.act * z.h), "the final norm's dY, kept by the wrapper's autograd node"
+                 " for the model's backward"),)),)),
+        Step("", frees=(*hidden, *labels, *positions, *(() if fp32 else (buffer,)), f"lm_head/logits {n - 1}",
+                        f"loss/chunk {n - 1}", ledger.OUTPUT_INPUT.name, "loss/valid tokens")),
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
+    ), backward=())
+    return start, chunks, end
+
+
+def _loss_chunk(z: Sizes, part: Sizes, config: ModelConfig, i: int, n: int) -> tuple[Op, ...]:
+    """Chunk i of n (`chunked_loss`): lm_head's GEMM (the last chunk's logits go as it returns), the loss, its running
+    sum; in backward dW and the chunk's dX; then, in forward again, that dX in fp32 written into the buffer."""
+    head = linear("lm_head", None, Made(f"lm_head/logits {i}", part.tokens(z.act * z.v_t), "bf16: this chunk's"),
+                  z.weight(z.ends.head), "grad/lm_head chunk dx", part.tokens(z.act * z.h), "", frees=("grad/logits",))
+    returned = (Op("", forward=(Step("", frees=(f"lm_head/logits {i - 1}",)),), backward=()),) if i else ()
+    total = Step("the running sum: + the chunk's loss", (Made(_total(i + 1, n), 4, "0-d fp32"),),
+                 frees=(_total(i, n),))
+    loss = cross_entropy(part, (f"loss/chunk {i - 1}",) if i else (), (), f"loss/chunk {i}", (total,))
+    written = Op("", forward=(
+        Step("the chunk's dX in fp32", (Made("loss/chunk dx fp32", part.tokens(4 * z.h), "written into the buffer"),)),
+        Step("", frees=("loss/chunk dx fp32", "grad/lm_head chunk dx")),
+    ), backward=())
+    return head, *returned, loss, written
+
+
+def _total(i: int, n: int) -> str:
+    """The running sum of the loss after i of n chunks; after the last, the loss the wrapper returns (a view of it)."""
+    return "loss/value" if i == n else f"loss/total {i}"
+
+
+def _value_why(value: str) -> str:
+    """Why a loss's 0-d value exists: the step's loss, or one chunk's (`chunked_loss`)."""
+    return "the loss (0-d fp32), live all step" if value == "loss/value" else "this chunk's loss (0-d fp32)"
 
 
 def _freed_by_trainer(pipelined: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -650,12 +752,12 @@ def _freed_by_trainer(pipelined: bool) -> tuple[tuple[str, ...], tuple[str, ...]
     return ((), ()) if pipelined else (("lm_head/logits",), ("loss/valid tokens",))
 
 
-def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
+def _loss_parallel(z: Sizes, pred: tuple[str, ...], count: tuple[str, ...], value: str,
+                   then: tuple[Step, ...]) -> Op:
     """torchtitan's _LossParallelCrossEntropy (components/loss.py) on this rank's v/t columns: the row maxima, the
     sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
-    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs).
-    `pipelined`: as the pipeline schedule computes it (`_freed_by_trainer`)."""
-    pred, count = _freed_by_trainer(pipelined)
+    log-probabilities; then divided by the valid tokens into `value`. Its backward builds the one-hot update and
+    exp(log_probs). `pred`, `count`, `then`: as `cross_entropy`'s."""
     n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
     row, ids, cast = z.tokens(4), z.tokens(8), z.act != 4  # fp32: .float() and the cast back are no-ops
 
@@ -696,9 +798,10 @@ def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
         Step("summed: the loss", (Made(f"{l}/sum", 4, "0-d fp32"),), frees=(
             f"{l}/logits fp32", f"{l}/shifted", f"{l}/max", f"{l}/sum exp", f"{l}/safe labels", f"{l}/out of range",
             f"{l}/local labels", f"{l}/target", f"{l}/per token")),
-        Step("divided by the valid tokens", (Made(f"{l}/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("divided by the valid tokens", (Made(value, 4, _value_why(value)),)),
         Step("", frees=(f"{l}/sum", *pred)),
-        Step("loss.backward() seeds autograd", (Made(f"{l}/grad seed", 4, "a 0-d ones tensor"),)),
+        *then,
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     )
     backward = (
         Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=count),
