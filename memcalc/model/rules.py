@@ -95,8 +95,21 @@ class SparseStep(Rule):
         return knobs.family in ("qwen2_moe", "qwen3_moe") and knobs.impl != "hf" and knobs.moe
 
 
+@record
+class ChunkedLoss(Rule):
+    """`divisor` (loss_chunks, a knob) must divide `value` (s) where torchtitan's ChunkedLossWrapper splits the
+    sequence (impl torchtitan, loss_chunks > 0): its torch._check refuses unequal chunks."""
+
+    def applies(self, knobs: Any) -> bool:
+        return knobs.impl == "torchtitan" and knobs.loss_chunk_count > 0
+
+    def message(self, divisor: int, value: int) -> str:
+        plain = "use loss_chunks 0 (its plain CrossEntropyLoss) or a count dividing s"
+        return f"{super().message(divisor, value)}; {plain}"
+
+
 # Fields whose value as used can come from a default that depends on others (4h, a).
-AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
+AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups", "loss_chunks": "loss_chunk_count"}
 
 # The rules between sizes that every strategy needs (sweeps apply the same table, vectorised).
 DIVISIBILITY = (
@@ -108,6 +121,8 @@ DIVISIBILITY = (
     SparseStep("moe_layer_freq", "L", "Qwen's layer i is sparse when decoder_sparse_step divides i + 1, impl"
                " megatron's and torchtitan's when moe_layer_freq divides i: as many MoE layers only then; impl hf"
                " places them as transformers does"),
+    ChunkedLoss("loss_chunks", "s", "torchtitan's ChunkedLossWrapper splits each rank's sequence into loss_chunks"
+                " equal chunks"),
 )
 SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
 # The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
@@ -152,8 +167,9 @@ def check_settings(knobs: Any) -> None:
     for knob in _IMPL_KNOBS:
         value = getattr(knobs, knob.name)
         if knobs.impl not in knob.impls and value != knob.default:
+            leave = "leave it unset" if knob.default is None else f"leave it at {knob.default}"
             raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
-                              f" has none (leave it at {knob.default})")
+                              f" has none ({leave})")
 
 
 def check_mla(knobs: Any) -> None:

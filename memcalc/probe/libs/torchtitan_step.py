@@ -107,13 +107,13 @@ def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> 
 
 
 def trainers_loss(model: Any, config: ModelConfig) -> Any:
-    """torchtitan's loss as its trainer builds it for `loss_chunks`: CrossEntropyLoss over the whole logits (0), or
-    ChunkedLossWrapper around it, given the model's lm_head, which the model then skips (the trainer's set_lm_head
+    """torchtitan's loss as its trainer builds it for `loss_chunk_count`: CrossEntropyLoss over the whole logits (0),
+    or ChunkedLossWrapper around it, given the model's lm_head, which the model then skips (the trainer's set_lm_head
     and `_skip_lm_head = True`; under pp the last stage's chunk, `model`)."""
     plain = CrossEntropyLoss.Config(global_vocab_size=config.vocab_size)
-    if config.loss_chunks == 0:
+    if config.loss_chunk_count == 0:
         return plain.build()
-    wrapper = ChunkedLossWrapper.Config(num_chunks=config.loss_chunks, loss_fn=plain).build()
+    wrapper = ChunkedLossWrapper.Config(num_chunks=config.loss_chunk_count, loss_fn=plain).build()
     wrapper.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     return wrapper

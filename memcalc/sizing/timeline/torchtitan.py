@@ -116,11 +116,13 @@ class Parts:
         the final norm and lm_head), and on the last stage the loss's (`pipelined`: the schedule's, after the chunk
         returns)."""
         z, config = self.z, self.config
-        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, config.tie_embeddings)[1],))]
+        # under the chunked loss each chunk's backward hands lm_head's gradient over before the table's is made
+        tied = config.tie_embeddings and not config.loss_chunk_count
+        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, tied)[1],))]
         chunk = [*(first if stage.has_embedding else []), *self.blocks(layers)]
         if not stage.has_output:
             return chunk, []
-        if config.loss_chunks:
+        if config.loss_chunk_count:
             return [*chunk, self.ends(OUTPUT, "norm", final_norm_ops(z, config))], [
                 LossChunks(None, "", Walk(self.tape, "", "", self.end, self.hand_over), chunked_loss(z, config))]
         *norm, lm_head, loss = output_ops(z, config, pipelined)
@@ -691,7 +693,7 @@ def chunked_loss(z: Sizes, config: ModelConfig) -> tuple[Op, tuple[tuple[Op, ...
     the 0-d sum of the loss; then each chunk's ops, walked forward and backward in turn (`LossChunks`): lm_head,
     `cross_entropy` over its tokens, the sum, and its gradient written into the buffer in fp32; at the end the buffer
     cast to the training dtype, the final norm's dY, and the wrapper's and trainer's locals gone."""
-    n = config.loss_chunks
+    n = config.loss_chunk_count
     part = replace(z, s=z.s // n, s_seq=z.s // n)  # one chunk's tokens, replicated over the TP ranks
     copied = z.b > 1 and n > 1  # a chunk of a (b, s, ...) tensor along s is a view only with one row, or one chunk
     hidden = tuple(f"loss/hidden chunk {i}" for i in range(n)) if copied else ()
