@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import math
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from memcalc.model.families import layer_family
 from memcalc.config.schema import ModelConfig
@@ -403,7 +404,7 @@ class MomentTracker(MemTracker):
         super().__init__(*tracked)
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
-        self._leaf_inputs: dict[Any, list[Any]] = {}  # module -> weak references to its leaf inputs (`_release`)
+        self._leaf_inputs: dict[Any, list[Any]] = {}  # module -> weak references to its leaf inputs (`release`)
 
     def track_held(self, *tensors: torch.Tensor) -> None:
         """Tensors a library makes once and keeps between steps, out of any module's parameters (a pipeline stage's
@@ -420,18 +421,28 @@ class MomentTracker(MemTracker):
         if name in self.entered:
             del self.entered[len(self.entered) - 1 - self.entered[::-1].index(name)]
 
-    def _pre_fw_hook(self, module, inputs) -> None:
-        # a module called again outside any other (a pipeline stage, once a micro-batch; torchtitan's lm_head, once a
-        # loss chunk): MemTracker takes it for its next iteration unless another is active, but this one measures one
+    @contextmanager
+    def called_again(self, module) -> Iterator[None]:
+        """Around a module's pre-forward: called again outside any other (a pipeline stage, once a micro-batch;
+        torchtitan's lm_head, once a loss chunk), MemTracker takes it for its next iteration unless another module is
+        active, but this tracker measures one step."""
         again = module in self.memory_tracking and not self._mod_tracker.is_bw
         parents = self._mod_tracker.parents
         if again:
             parents.add("one step")
         try:
-            super()._pre_fw_hook(module, inputs)
+            yield
         finally:
             parents.discard("one step")
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        with self.called_again(module):
+            super()._pre_fw_hook(module, inputs)
         self._enter(module)
+        self.note_leaves(module, inputs)
+
+    def note_leaves(self, module, inputs) -> None:
+        """In forward, the leaves among `module`'s inputs that need a gradient, for `release`."""
         if not self._mod_tracker.is_bw:
             leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad]
             self._leaf_inputs[module] = [weakref.ref(x) for x in leaves]
@@ -447,9 +458,9 @@ class MomentTracker(MemTracker):
     def _post_bw_hook(self, module, args) -> None:
         super()._post_bw_hook(module, args)
         self._leave(module)
-        self._release(module)
+        self.release(module)
 
-    def _release(self, module) -> None:
+    def release(self, module) -> None:
         """ModTracker hooks the inputs of a module's forward that need a gradient (register_multi_grad_hook); on a
         leaf (torchtitan's loss chunks, detached from the model) the hook holds the leaf's AccumulateGrad, which holds
         the leaf: a cycle through C++ that no collection frees, so the tracker alone would keep the leaf to the step's

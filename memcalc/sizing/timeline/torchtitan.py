@@ -182,6 +182,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
          "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
          " ep = 1, without HSDP)"),
+        # measured (FSDPMemTracker op by op): ChunkedLossWrapper unshards lm_head for its loop, keeps its unsharded
+        # gradient across the chunks (no gradient sync until the last) and reshards it after; the pipeline schedule
+        # calls it on the last stage per micro-batch. Neither is walked yet
+        (config.loss_chunk_count and (config.dp_shard is not None or config.pp > 1),
+         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with dp_shard or pp (loss_chunks 0, its"
+         " plain CrossEntropyLoss, is walked there)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
