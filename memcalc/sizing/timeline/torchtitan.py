@@ -24,7 +24,9 @@ from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline import torchtitan_mla
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline,
+)
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.torchtitan_ops import (
@@ -138,11 +140,16 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
     for i, segment in enumerate(segments):
         segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
     order = list(dict.fromkeys(x.unit for x in segments if x.unit is not None))  # the units in forward order
+    # FSDP2 prefetches in backward by the post-forward order, which the final callback of each loss chunk's backward
+    # clears: under the chunked loss each unit is gathered at its own pre-backward
+    prefetched = not parts.config.loss_chunk_count
     for segment in reversed(segments):
         i = order.index(segment.unit) if segment.unit is not None else 0
-        segment.backward(fsdp, order[i - 1] if i else None)
+        segment.backward(fsdp, order[i - 1] if i and prefetched else None)
     if fsdp is not None:  # the final callback: the embedding's post-backward (its input, the ids, needs no gradient)
-        _post_backward(fsdp, tape, "tok_embeddings", "")
+        # ModTracker queues the callback that ends tok_embeddings's backward in the first backward pass after its
+        # forward: under the chunked loss a loss chunk's, so MemTracker still reads the final callback inside it
+        _post_backward(fsdp, tape, "tok_embeddings", "" if prefetched else "tok_embeddings")
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
     tape.drop(GRAD_SEED)  # backward() returns
@@ -182,12 +189,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
          "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
          " ep = 1, without HSDP)"),
-        # measured (FSDPMemTracker op by op): ChunkedLossWrapper unshards lm_head for its loop, keeps its unsharded
-        # gradient across the chunks (no gradient sync until the last) and reshards it after; the pipeline schedule
-        # calls it on the last stage per micro-batch. Neither is walked yet
-        (config.loss_chunk_count and (config.dp_shard is not None or config.pp > 1),
-         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with dp_shard or pp (loss_chunks 0, its"
-         " plain CrossEntropyLoss, is walked there)"),
+        # the pipeline schedule calls ChunkedLossWrapper on the last stage per micro-batch: not walked yet
+        (config.loss_chunk_count and config.pp > 1,
+         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with pp (loss_chunks 0, its plain"
+         " CrossEntropyLoss, is walked there)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -272,17 +277,51 @@ class LossChunks:
     ops: tuple[Op, tuple[tuple[Op, ...], ...], Op]
 
     def forward(self, fsdp: Fsdp | None, following: str | None) -> None:
+        """Under FSDP2 lm_head's unit is resharded as the model's forward returns (lm_head did not run: the root's
+        post-forward completes the unit's, _force_complete_incomplete_states); the wrapper unshards it for the loop
+        (`Fsdp.unshard`), keeps it unsharded after each chunk's backward (`_chunk_post_backward`), and reshards it
+        after the loop."""
         start, chunks, end = self.ops
+        tape = self.walk.tape
+        tape.drop(f"fsdp/{OUTPUT} unsharded")
         self.walk.forward((start,))
-        for *loss, written in chunks:
+        if fsdp is not None:
+            fsdp.unshard(tape, OUTPUT)
+        for i, (*loss, written) in enumerate(chunks):
             self.walk.forward(tuple(loss))
             self.walk.backward(tuple(loss))
-            self.walk.tape.drop(GRAD_SEED)
+            if fsdp is not None:
+                _chunk_post_backward(fsdp, tape, i == len(chunks) - 1)
+            tape.drop(GRAD_SEED)
             self.walk.forward((written,))
+        tape.drop(f"fsdp/{OUTPUT} unsharded")  # lm_head.reshard()
         self.walk.forward((end,))
 
     def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
         """Nothing: the chunks' backward ran in forward."""
+
+
+def _chunk_post_backward(fsdp: Fsdp, tape: Tape, last: bool) -> None:
+    """FSDP2's post-backward of lm_head's unit after a loss chunk's backward, reshard_after_backward off: before the
+    last chunk without gradient sync, lm_head's gradient accumulated unreduced (`Fsdp.accumulate_unsynced`); at the
+    last, that .grad added into the accumulated one, then reduce-scattered, whose buffer the backward's final callback
+    waits on; that callback reshards every other unit still unsharded (_root_post_backward_final_callback)."""
+    grads = [n for n in tape.live if n.startswith(f"fsdp/{OUTPUT} grad ")]
+    for name in grads:
+        tape.live[name] = tape.live[name]._replace(category=GRADIENTS)
+    if not last:
+        fsdp.accumulate_unsynced(tape, OUTPUT, "lm_head")
+    else:
+        for name in grads:
+            accumulated = name.replace(" grad ", " accumulated ", 1)
+            if accumulated in tape.live:
+                tape.drop(name)
+                tape.rename(accumulated, name)
+        held = tuple(n.split(" grad ", 1)[1] for n in grads)
+        fsdp.reduce_scatter(tape, OUTPUT, "lm_head", grads, held, reshard=False)
+        tape.drop(f"fsdp/{OUTPUT} reduce-scatter")
+    # the final callback reshards the units this backward did not reach (reshard_after_forward off kept them)
+    tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" unsharded") and OUTPUT not in n])
 
 
 def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
