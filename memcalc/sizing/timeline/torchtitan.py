@@ -125,8 +125,8 @@ class Parts:
         if not stage.has_output:
             return chunk, []
         if config.loss_chunk_count:
-            return [*chunk, self.ends(OUTPUT, "norm", final_norm_ops(z, config))], [
-                LossChunks(None, "", Walk(self.tape, "", "", self.end, self.hand_over), chunked_loss(z, config))]
+            return [*chunk, self.ends(OUTPUT, "norm", final_norm_ops(z, config))], [LossChunks(
+                None, "", Walk(self.tape, "", "", self.end, self.hand_over), *chunked_loss(z, config, pipelined))]
         *norm, lm_head, loss = output_ops(z, config, pipelined)
         return [*chunk, self.ends(OUTPUT, "norm", tuple(norm)), self.ends(OUTPUT, "lm_head", (lm_head,))], [
             self.ends(None, "", (loss,))]
@@ -189,10 +189,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
          "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
          " ep = 1, without HSDP)"),
-        # the pipeline schedule calls ChunkedLossWrapper on the last stage per micro-batch: not walked yet
-        (config.loss_chunk_count and config.pp > 1,
-         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with pp (loss_chunks 0, its plain"
-         " CrossEntropyLoss, is walked there)"),
+        # ChunkedLossWrapper's FSDP2 hooks beside the schedule's unsynced gradients: not walked yet
+        (config.loss_chunk_count and pp_sharded,
+         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with pp and dp_shard (loss_chunks 0, its"
+         " plain CrossEntropyLoss, is walked there)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -267,21 +267,29 @@ class Segment:
 
 @dataclass(frozen=True)
 class LossChunks:
-    """torchtitan's ChunkedLossWrapper (`chunked_loss`) as a segment of the trainer's ops: inside the trainer's
-    forward each chunk's forward and backward (loss.backward() on it, its seed gone as it returns); nothing in the
-    model's backward, where its autograd node hands the accumulated gradient to the final norm."""
+    """torchtitan's ChunkedLossWrapper (`chunked_loss`: its `start`, each chunk's ops, its `end`) as a segment of the
+    trainer's ops: inside the trainer's forward each chunk's forward and backward (loss.backward() on it, its seed gone
+    as it returns); nothing in the model's backward, where its autograd node hands the accumulated gradient to the
+    final norm."""
 
     unit: None
     where: str
     walk: Walk
-    ops: tuple[Op, tuple[tuple[Op, ...], ...], Op]
+    start: Op
+    chunks: tuple[tuple[Op, ...], ...]
+    end: Op
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op it walks, in order (`Walk.names` reads them)."""
+        return (self.start, *(x for chunk in self.chunks for x in chunk), self.end)
 
     def forward(self, fsdp: Fsdp | None, following: str | None) -> None:
         """Under FSDP2 lm_head's unit is resharded as the model's forward returns (lm_head did not run: the root's
         post-forward completes the unit's, _force_complete_incomplete_states); the wrapper unshards it for the loop
         (`Fsdp.unshard`), keeps it unsharded after each chunk's backward (`_chunk_post_backward`), and reshards it
         after the loop."""
-        start, chunks, end = self.ops
+        start, chunks, end = self.start, self.chunks, self.end
         tape = self.walk.tape
         tape.drop(f"fsdp/{OUTPUT} unsharded")
         self.walk.forward((start,))
@@ -732,12 +740,14 @@ def cross_entropy(z: Sizes, pred: tuple[str, ...], count: tuple[str, ...], value
     ))
 
 
-def chunked_loss(z: Sizes, config: ModelConfig) -> tuple[Op, tuple[tuple[Op, ...], ...], Op]:
+def chunked_loss(z: Sizes, config: ModelConfig, pipelined: bool) -> tuple[Op, tuple[tuple[Op, ...], ...], Op]:
     """torchtitan's ChunkedLossWrapper (components/loss.py) on the final norm's output, the trainer's pred (the
     hidden states, whole under tp): their and the labels' loss_chunks chunks along s, the fp32 GradAccumulator and
     the 0-d sum of the loss; then each chunk's ops, walked forward and backward in turn (`LossChunks`): lm_head,
     `cross_entropy` over its tokens, the sum, and its gradient written into the buffer in fp32; at the end the buffer
-    cast to the training dtype, the final norm's dY, and the wrapper's and trainer's locals gone."""
+    cast to the training dtype, the final norm's dY, and the wrapper's and trainer's locals gone (`pipelined`: the
+    schedule keeps the stage's output and the trainer its count of valid tokens)."""
+    trainers = () if pipelined else (ledger.OUTPUT_INPUT.name, "loss/valid tokens")  # its pred: the norm's output
     n = config.loss_chunk_count
     part = replace(z, s=z.s // n, s_seq=z.s // n)  # one chunk's tokens, replicated over the TP ranks
     copied = z.b > 1 and n > 1  # a chunk of a (b, s, ...) tensor along s is a view only with one row, or one chunk
@@ -761,7 +771,7 @@ def chunked_loss(z: Sizes, config: ModelConfig) -> tuple[Op, tuple[tuple[Op, ...
             Made("grad/lm_head dx", z.tokens(z.act * z.h), "the final norm's dY, kept by the wrapper's autograd node"
                  " for the model's backward"),)),)),
         Step("", frees=(*hidden, *labels, *positions, *(() if fp32 else (buffer,)), f"lm_head/logits {n - 1}",
-                        f"loss/chunk {n - 1}", ledger.OUTPUT_INPUT.name, "loss/valid tokens")),
+                        f"loss/chunk {n - 1}", *trainers)),
         Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     ), backward=())
     return start, chunks, end
@@ -776,10 +786,9 @@ def _loss_chunk(z: Sizes, part: Sizes, config: ModelConfig, i: int, n: int) -> t
     total = Step("the running sum: + the chunk's loss", (Made(_total(i + 1, n), 4, "0-d fp32"),),
                  frees=(_total(i, n),))
     loss = cross_entropy(part, (f"loss/chunk {i - 1}",) if i else (), (), f"loss/chunk {i}", (total,))
-    written = Op("", forward=(
-        Step("the chunk's dX in fp32", (Made("loss/chunk dx fp32", part.tokens(4 * z.h), "written into the buffer"),)),
-        Step("", frees=("loss/chunk dx fp32", "grad/lm_head chunk dx")),
-    ), backward=())
+    fp32 = (Step("the chunk's dX in fp32", (Made("loss/chunk dx fp32", part.tokens(4 * z.h), "written into the"
+                                                 " buffer"),)),) if z.act != 4 else ()  # in fp32 dX itself
+    written = Op("", forward=(*fp32, Step("", frees=("loss/chunk dx fp32", "grad/lm_head chunk dx"))), backward=())
     return head, *returned, loss, written
 
 
