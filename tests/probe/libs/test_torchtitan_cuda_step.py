@@ -166,3 +166,27 @@ def test_in_fp32_as_cuda_runs_it_memtracker_reaches_the_peak_to_the_byte(one_thr
     (r,) = measure_step(config, [strategy], device="cuda")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# torchtitan's ChunkedLossWrapper as CUDA runs it: the positions chunked beside the labels (b > 1: copies), and under
+# FSDP2 lm_head's unit gathered for the loop
+CHUNKED = [
+    ({"loss_chunks": 4}, "none"),
+    ({"loss_chunks": 4, "b": 1, "recompute": "op"}, "none"),
+    ({"loss_chunks": 2, "t": 2}, "tp-sp"),
+    ({"loss_chunks": 3, "t": 2, "b": 3, "s": 12, "recompute": "full"}, "tp"),
+    ({"loss_chunks": 2, "dp_shard": 2}, "none"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED, ids=str)
+def test_as_cuda_runs_it_under_the_chunked_loss_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, strategy):
+    (r,) = measure_step(make_config(LLAMA3, **changes), [strategy], device="cuda")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED[:4], ids=str)
+def test_as_cuda_runs_it_under_the_chunked_loss_every_moment_happens_in_order(one_thread, changes, strategy):
+    config = make_config(LLAMA3, **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CUDA).moments[1:-1], _readings(config, strategy))
