@@ -103,13 +103,18 @@ class ChunkedLoss(Rule):
     def applies(self, knobs: Any) -> bool:
         return knobs.impl == "torchtitan" and knobs.loss_chunk_count > 0
 
+    @property
+    def operands(self) -> tuple[str, str]:
+        """The count as used (8 when loss_chunks is unset), and s."""
+        return "loss_chunk_count", self.value
+
     def message(self, divisor: int, value: int) -> str:
         plain = "use loss_chunks 0 (its plain CrossEntropyLoss) or a count dividing s"
         return f"{super().message(divisor, value)}; {plain}"
 
 
 # Fields whose value as used can come from a default that depends on others (4h, a).
-AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups", "loss_chunks": "loss_chunk_count"}
+AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
 
 # The rules between sizes that every strategy needs (sweeps apply the same table, vectorised).
 DIVISIBILITY = (

@@ -343,7 +343,7 @@ class GridSizes:
 
     def operand(self, name: str) -> Any:
         """A size as the divisibility rules name it, as used (ffn for ffn_hidden_size, groups for num_query_groups), or
-        a knob's value (loss_chunk_count)."""
+        a knob set's (loss_chunk_count)."""
         name = AS_USED.get(name, name)
         return getattr(self, name) if hasattr(self, name) else getattr(self.knobs, name)
 

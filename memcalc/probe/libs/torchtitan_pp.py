@@ -165,10 +165,10 @@ def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[
     b, s, h, dtype = config.b, config.s, config.h, DTYPES[config.dtype]
     hidden = torch.empty(b, sequence, h, dtype=dtype, device="meta", requires_grad=True)
     received = torch.empty(b, s, dtype=torch.int64, device="meta") if rank == 0 else hidden
+    if rank < config.pp - 1:
+        return received, hidden
     width = h if config.loss_chunk_count else chunk.lm_head.weight.shape[0]
-    sent = torch.empty(b, s, width, dtype=dtype, device="meta", requires_grad=True) \
-        if rank == config.pp - 1 else hidden
-    return received, sent
+    return received, torch.empty(b, s, width, dtype=dtype, device="meta", requires_grad=True)
 
 
 def measure_torchtitan_pp_fsdp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
