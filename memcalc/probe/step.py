@@ -404,7 +404,9 @@ class MomentTracker(MemTracker):
         super().__init__(*tracked)
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
-        self._leaf_inputs: dict[Any, list[Any]] = {}  # module -> weak references to its leaf inputs (`release`)
+        # module -> per forward not yet backward (a pipeline stage's micro-batches, first in first out), weak
+        # references to its leaf inputs (`release`)
+        self._leaf_inputs: dict[Any, list[list[Any]]] = {}
 
     def track_held(self, *tensors: torch.Tensor) -> None:
         """Tensors a library makes once and keeps between steps, out of any module's parameters (a pipeline stage's
@@ -445,7 +447,7 @@ class MomentTracker(MemTracker):
         """In forward, the leaves among `module`'s inputs that need a gradient, for `release`."""
         if not self._mod_tracker.is_bw:
             leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad]
-            self._leaf_inputs[module] = [weakref.ref(x) for x in leaves]
+            self._leaf_inputs.setdefault(module, []).append([weakref.ref(x) for x in leaves])
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
         super()._post_fw_hook(module, inputs, outputs)
@@ -465,7 +467,8 @@ class MomentTracker(MemTracker):
         leaf (torchtitan's loss chunks, detached from the model) the hook holds the leaf's AccumulateGrad, which holds
         the leaf: a cycle through C++ that no collection frees, so the tracker alone would keep the leaf to the step's
         end. Its hooks ran with the module's backward: removed then, the leaf goes when the code lets it go."""
-        for ref in self._leaf_inputs.pop(module, ()):
+        pending = self._leaf_inputs.get(module)
+        for ref in pending.pop(0) if pending else ():
             leaf = ref()
             if leaf is not None and leaf._backward_hooks:
                 leaf._backward_hooks.clear()

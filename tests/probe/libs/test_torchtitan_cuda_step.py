@@ -135,7 +135,7 @@ def test_as_cuda_runs_it_with_experts_over_tp_sp_every_moment_happens_and_the_pe
 
 def test_only_torchtitans_step_runs_as_cuda_does():
     with pytest.raises(ConfigError, match="only with --impl torchtitan"):
-        measure_step(make_config(LLAMA3, impl="megatron"), ["none"], device="cuda")
+        measure_step(make_config(LLAMA3, impl="megatron", loss_chunks=None), ["none"], device="cuda")
 
 
 def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_path):
@@ -143,7 +143,7 @@ def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_pa
 
     path = tmp_path / "llama3.yaml"
     path.write_text("b: 1\ns: 26\nh: 64\na: 8\nL: 2\nvocab_size: 250\nffn_hidden_size: 176\nnum_query_groups: 2\n"
-                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\nloss_chunks: 0\n")
     run = memcalc_cli("measure", "--step", "--impl", "torchtitan", "--device", "cuda", "--config", str(path),
                       "--strategy", "tp-sp", "--t", "2")
     assert run.code == 0 and run.err == ("memcalc: note: llama3 sets no mlp, attention, norm, dropout, recompute: impl"
