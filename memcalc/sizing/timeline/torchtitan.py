@@ -759,13 +759,13 @@ def chunked_loss(z: Sizes, config: ModelConfig, pipelined: bool) -> tuple[Op, tu
     start = Op("", forward=(
         *((Step("the hidden states' chunks: contiguous copies", tuple(
             Made(x, part.tokens(z.act * z.h), "lm_head's input, a leaf detached from the model") for x in hidden)),)
-          if copied else ()),
+          if hidden else ()),
         *(Step(f"the {what} chunks", tuple(Made(x, part.tokens(8), "int64, contiguous") for x in names))
           for what, names in (("labels'", labels), ("positions'", positions)) if names),
         Step("GradAccumulator's buffer", (Made(buffer, z.tokens(4 * z.h), "zeros: each chunk's dX in fp32"),)),
         Step("the loss's running sum", (Made(_total(0, n), 4, "0-d fp32"),)),
     ), backward=())
-    chunks = tuple(_loss_chunk(z, part, config, i, n) for i in range(n))
+    chunks = tuple(_loss_chunk(z, part, i, n) for i in range(n))
     end = Op("", forward=(
         *(() if fp32 else (Step("the accumulated gradient cast to the training dtype", (
             Made("grad/lm_head dx", z.tokens(z.act * z.h), "the final norm's dY, kept by the wrapper's autograd node"
@@ -777,7 +777,7 @@ def chunked_loss(z: Sizes, config: ModelConfig, pipelined: bool) -> tuple[Op, tu
     return start, chunks, end
 
 
-def _loss_chunk(z: Sizes, part: Sizes, config: ModelConfig, i: int, n: int) -> tuple[Op, ...]:
+def _loss_chunk(z: Sizes, part: Sizes, i: int, n: int) -> tuple[Op, ...]:
     """Chunk i of n (`chunked_loss`): lm_head's GEMM (the last chunk's logits go as it returns), the loss, its running
     sum; in backward dW and the chunk's dX; then, in forward again, that dX in fp32 written into the buffer."""
     head = linear("lm_head", None, Made(f"lm_head/logits {i}", part.tokens(z.act * z.v_t), "bf16: this chunk's"),
