@@ -126,10 +126,11 @@ DIVISIBILITY = (
     SparseStep("moe_layer_freq", "L", "Qwen's layer i is sparse when decoder_sparse_step divides i + 1, impl"
                " megatron's and torchtitan's when moe_layer_freq divides i: as many MoE layers only then; impl hf"
                " places them as transformers does"),
-    ChunkedLoss("loss_chunks", "s", "torchtitan's ChunkedLossWrapper splits each rank's sequence into loss_chunks"
-                " equal chunks"),
 )
 SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
+# torchtitan's loss, which a layer does not see: the step walk checks it (memcalc.sizing.timeline.torchtitan)
+CHUNKED_LOSS = ChunkedLoss("loss_chunks", "s", "torchtitan's ChunkedLossWrapper splits each rank's sequence into"
+                           " loss_chunks equal chunks")
 # The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
 EXPERT_RULES = (
     Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),

@@ -342,10 +342,8 @@ class GridSizes:
         return replace(self, **{name: np.array(value, dtype=np.int64).reshape(shape)})
 
     def operand(self, name: str) -> Any:
-        """A size as the divisibility rules name it, as used (ffn for ffn_hidden_size, groups for num_query_groups), or
-        a knob set's (loss_chunk_count)."""
-        name = AS_USED.get(name, name)
-        return getattr(self, name) if hasattr(self, name) else getattr(self.knobs, name)
+        """A size as the divisibility rules name it, as used (ffn for ffn_hidden_size, groups for num_query_groups)."""
+        return getattr(self, AS_USED.get(name, name))
 
 
 def _array(values: Sequence[int]) -> np.ndarray:

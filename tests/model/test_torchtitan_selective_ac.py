@@ -19,8 +19,7 @@ MATMULS = {"attention/qkv_out", "attention/wo_out", "mlp/gate", "mlp/up", "mlp/f
            "moe/shared_up", "moe/shared_fc2_out", "mla/wq_out", "mla/wq_a_out", "mla/wkv_a_out", "mla/wkv_b_out"}
 # Llama3's attention (wqkv (32, 64/t), wo (32/t, 32)) before a MoE of 4 experts; recompute op (SelectiveAC)
 SMALL = {"impl": "torchtitan", "b": 1, "s": 6, "h": 32, "a": 4, "num_query_groups": 2, "recompute": "op",
-         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
-         "loss_chunks": 0}  # its plain loss: its chunked one refuses s = 6 in 8 chunks
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 
 def _saved(fields: dict, strategy: str, dense: bool = False) -> set[str]:

@@ -17,6 +17,7 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import dim_sizes, estimate
 from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
+from memcalc.model.rules import CHUNKED_LOSS
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
@@ -156,7 +157,9 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
-    """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    """ConfigError for a sequence torchtitan's chunked loss refuses (`rules.CHUNKED_LOSS`), else naming the first
+    thing the torchtitan step timeline does not model yet."""
+    CHUNKED_LOSS.check(config)
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
     pp_sharded = config.pp > 1 and config.dp_shard is not None

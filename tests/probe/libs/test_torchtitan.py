@@ -21,7 +21,6 @@ from memcalc.probe.measure import compare  # noqa: E402
 LLAMA3 = {
     "b": 2, "s": 16, "h": 64, "a": 4, "ffn_hidden_size": 96, "impl": "torchtitan",
     "norm": "rmsnorm", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "recompute": "none",
-    "loss_chunks": 0,  # the block alone: its plain loss, which takes any s (its chunked one, s its chunks divide)
 }
 GQA = {"num_query_groups": 2}
 QWEN3 = {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 2}  # its Qwen3 block: heads of 12, not h/a = 16

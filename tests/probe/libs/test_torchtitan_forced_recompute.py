@@ -25,8 +25,7 @@ from . import assert_exact  # noqa: E402
 CPU = Accounting(exact=True, device="cpu")
 # h = 32, a = 4 heads of d = 8, g = 2: wqkv (32, 64/t), wo (32/t, 32); E = 4 experts of 32 (16-byte runs at t = 2)
 SIZES = {"h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "op", "num_experts": 4,
-         "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_tokens": "balanced",
-         "loss_chunks": 0}  # its plain loss: its chunked one refuses s the chunks do not divide
+         "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_tokens": "balanced"}
 DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "num_query_groups": None, "kv_lora_rank": 24,
                "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12}  # wkv_a (h, 24 + 4)
 MATMULS = {"attention/qkv_out", "attention/wo_out", "moe/shared_gate", "moe/shared_up", "moe/shared_fc2_out",

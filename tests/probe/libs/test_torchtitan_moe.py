@@ -27,8 +27,7 @@ from memcalc.probe.measure import compare  # noqa: E402
 from . import assert_exact, assert_within_bounds  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
-         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
-         "loss_chunks": 0}  # the block alone: its plain loss, which takes any s (its chunked one, s its chunks divide)
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
 QWEN3_MOE = {}  # softmax router, route_norm (its builder's), no shared experts
 QWEN3_ATTENTION = {"qk_layernorm": True, "kv_channels": 12}  # its Qwen3 attention (heads of 12, not h/a = 8)
 DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48}
