@@ -31,6 +31,7 @@ GPT2_HF = dict(
 TORCHTITAN_LLAMA3 = dict(
     impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=176, num_query_groups=2,
     position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
+    loss_chunks=0,  # its plain CrossEntropyLoss (its *_ce_loss configs); the chunked loss's cases set their count
 )
 
 

@@ -72,7 +72,7 @@ def knob_option(knob: Knob) -> Callable:
     help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
     if knob.kind == "flag":
         return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
-    kinds = {"name": click.STRING, "size": INTEGER, "probability": Real(), "factor": Real()}
+    kinds = {"name": click.STRING, "size": INTEGER, "count": INTEGER, "probability": Real(), "factor": Real()}
     kind = click.Choice(knob.values) if knob.kind == "choice" else kinds[knob.kind]
     return click.option(knob.flag, knob.name, type=kind, help=help)
 

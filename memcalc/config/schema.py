@@ -68,7 +68,7 @@ def _choice(default: str, *values: str, help: str) -> Any:
 # with the knobs (impls.implementation).
 _KNOB_SCHEMAS = {
     "name": cs.nullable_schema(cs.str_schema()), "size": cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT)),
-    "probability": cs.float_schema(ge=0.0, lt=1.0),
+    "count": cs.nullable_schema(cs.int_schema(ge=0, lt=_SIZE_LIMIT)), "probability": cs.float_schema(ge=0.0, lt=1.0),
     "factor": cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False)),
     "flag": cs.bool_schema(),
 }

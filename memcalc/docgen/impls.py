@@ -66,7 +66,7 @@ def _own_knobs(impl: Implementation) -> str:
         "Settings other libraries do not have (refused there). Each default is what the library's users get unless"
         " they pass a flag; the probe builds the library's config from the same values.", "",
         md_table(("flag", "default", "where the default comes from"),
-                 ([f"`{k.flag}`", str(k.default), k.source] for k in own)),
+                 ([f"`{k.flag}`", "unset" if k.default is None else str(k.default), k.source] for k in own)),
     ])
 
 

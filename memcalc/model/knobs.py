@@ -120,7 +120,8 @@ class Knob:
 
     `kind` is "choice" (one of `choices`), "name" (a name from a table a floor above, or None: the family,
     checked by memcalc.model.families), "size" (a positive integer, or None for
-    the default that depends on other sizes), "probability" (0 <= p < 1),
+    the default that depends on other sizes), "count" (a whole number, 0 or more, or None for the default),
+    "probability" (0 <= p < 1),
     "factor" (a positive number, or None for none) or "flag" (a boolean). `describe` gives the words of the model's one-line
     description from a config or knob set (None: another knob's words carry it).
     """
@@ -538,6 +539,17 @@ KNOBS: tuple[Knob, ...] = (
                   " end keeps tanh's (b, s, v) output in the activation dtype beside the loss's logits (--totals)."),),
     ),
     Knob(
+        "loss_chunks", "count", None, "torchtitan: its ChunkedLossWrapper splits the final norm's output into this"
+        " many sequence chunks, each run through lm_head, the loss and their backward in turn (its model configs'"
+        " loss; default 8, its num_chunks); 0: its plain CrossEntropyLoss over the whole logits (its *_ce_loss"
+        " configs)",
+        lambda k: None if k.loss_chunks is None else "plain loss" if k.loss_chunks == 0 else
+        f"loss in {k.loss_chunks} chunks", impls=(Impl.TORCHTITAN,),
+        source="torchtitan 0.3.0 components/loss.py, ChunkedLossWrapper.Config: `num_chunks: int = 8`; every model"
+        " config of its config_registry.py sets `loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(...))`"
+        " but llama3_debugmodel_ce_loss, whose `loss=CrossEntropyLoss.Config()` is the plain loss",
+    ),
+    Knob(
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
         " norm with rotary_percent (GPT-NeoX's use_parallel_residual), without it Falcon's parallel_attn (RoPE on"
         " whole heads) through one norm (single_norm, Falcon-7B's) or ln_attn and ln_mlp (new_decoder_architecture)", lambda k: "parallel residual" if k.parallel_residual else None,
@@ -639,6 +651,7 @@ KNOBS: tuple[Knob, ...] = (
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 
 
+LOSS_CHUNKS = 8  # torchtitan's ChunkedLossWrapper.Config.num_chunks, its loss unless loss_chunks says otherwise
 MLA_KNOBS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
@@ -670,14 +683,16 @@ def _knobs_namespace() -> dict[str, Any]:
         "gqa": property(lambda self: self.num_query_groups is not None, doc="formulas write g, not a"),
         "head_dim_set": property(head_dim_set, doc="formulas write d, not h/a (a config's heads are not h/a wide)"),
         "moe": property(lambda self: self.num_experts is not None, doc="the MLP is a mixture of experts"),
+        "loss_chunk_count": property(lambda self: LOSS_CHUNKS if self.loss_chunks is None else self.loss_chunks,
+                                     doc="the chunks torchtitan's loss runs in (0: its plain loss)"),
         "mla": property(lambda self: self.kv_lora_rank is not None, doc="attention is multi-head latent attention"),
         "dense": property(lambda self: replace(self, **{k.name: k.default for k in KNOBS if is_moe(k)}),
                           doc="these knobs with a dense MLP (every MoE knob at its default)"),
     }
 
 
-_TYPES = {"choice": str, "name": "str | None", "size": "int | None", "probability": float, "factor": "float | None",
-          "flag": bool}
+_TYPES = {"choice": str, "name": "str | None", "size": "int | None", "count": "int | None", "probability": float,
+          "factor": "float | None", "flag": bool}
 
 Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickling across the probe's processes
     "__module__": __name__, "__annotations__": {k.name: k.choices or _TYPES[k.kind] for k in KNOBS},

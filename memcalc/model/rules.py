@@ -95,6 +95,24 @@ class SparseStep(Rule):
         return knobs.family in ("qwen2_moe", "qwen3_moe") and knobs.impl != "hf" and knobs.moe
 
 
+@record
+class ChunkedLoss(Rule):
+    """`divisor` (loss_chunks, a knob) must divide `value` (s) where torchtitan's ChunkedLossWrapper splits the
+    sequence (impl torchtitan, loss_chunks > 0): its torch._check refuses unequal chunks."""
+
+    def applies(self, knobs: Any) -> bool:
+        return knobs.impl == "torchtitan" and knobs.loss_chunk_count > 0
+
+    @property
+    def operands(self) -> tuple[str, str]:
+        """The count as used (8 when loss_chunks is unset), and s."""
+        return "loss_chunk_count", self.value
+
+    def message(self, divisor: int, value: int) -> str:
+        plain = "use loss_chunks 0 (its plain CrossEntropyLoss) or a count dividing s"
+        return f"{super().message(divisor, value)}; {plain}"
+
+
 # Fields whose value as used can come from a default that depends on others (4h, a).
 AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
 
@@ -110,6 +128,9 @@ DIVISIBILITY = (
                " places them as transformers does"),
 )
 SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
+# torchtitan's loss, which a layer does not see: the step walk checks it (memcalc.sizing.timeline.torchtitan)
+CHUNKED_LOSS = ChunkedLoss("loss_chunks", "s", "torchtitan's ChunkedLossWrapper splits each rank's sequence into"
+                           " loss_chunks equal chunks")
 # The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
 EXPERT_RULES = (
     Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),
@@ -152,8 +173,9 @@ def check_settings(knobs: Any) -> None:
     for knob in _IMPL_KNOBS:
         value = getattr(knobs, knob.name)
         if knobs.impl not in knob.impls and value != knob.default:
+            leave = "leave it unset" if knob.default is None else f"leave it at {knob.default}"
             raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
-                              f" has none (leave it at {knob.default})")
+                              f" has none ({leave})")
 
 
 def check_mla(knobs: Any) -> None:

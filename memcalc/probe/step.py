@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from memcalc.model.families import layer_family
 from memcalc.config.schema import ModelConfig
@@ -402,9 +404,9 @@ class MomentTracker(MemTracker):
         super().__init__(*tracked)
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
-        # root modules called again in one step (a pipeline stage, once a micro-batch), which MemTracker would take
-        # for its next iteration
-        self.called_per_microbatch: set = set()
+        # module -> per forward not yet backward (a pipeline stage's micro-batches, first in first out), weak
+        # references to its leaf inputs (`release`)
+        self._leaf_inputs: dict[Any, list[list[Any]]] = {}
 
     def track_held(self, *tensors: torch.Tensor) -> None:
         """Tensors a library makes once and keeps between steps, out of any module's parameters (a pipeline stage's
@@ -421,16 +423,31 @@ class MomentTracker(MemTracker):
         if name in self.entered:
             del self.entered[len(self.entered) - 1 - self.entered[::-1].index(name)]
 
-    def _pre_fw_hook(self, module, inputs) -> None:
-        again = module in self.called_per_microbatch and module in self.memory_tracking
+    @contextmanager
+    def called_again(self, module) -> Iterator[None]:
+        """Around a module's pre-forward: called again outside any other (a pipeline stage, once a micro-batch;
+        torchtitan's lm_head, once a loss chunk), MemTracker takes it for its next iteration unless another module is
+        active, but this tracker measures one step."""
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
         parents = self._mod_tracker.parents
-        if again:  # MemTracker takes a root module's second forward for the next iteration unless another is active
-            parents.add("pipeline schedule")
+        if again:
+            parents.add("one step")
         try:
-            super()._pre_fw_hook(module, inputs)
+            yield
         finally:
-            parents.discard("pipeline schedule")
+            parents.discard("one step")
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        with self.called_again(module):
+            super()._pre_fw_hook(module, inputs)
         self._enter(module)
+        self.note_leaves(module, inputs)
+
+    def note_leaves(self, module, inputs) -> None:
+        """In forward, the leaves among `module`'s inputs that need a gradient, for `release`."""
+        if not self._mod_tracker.is_bw:
+            leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad]
+            self._leaf_inputs.setdefault(module, []).append([weakref.ref(x) for x in leaves])
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
         super()._post_fw_hook(module, inputs, outputs)
@@ -443,6 +460,18 @@ class MomentTracker(MemTracker):
     def _post_bw_hook(self, module, args) -> None:
         super()._post_bw_hook(module, args)
         self._leave(module)
+        self.release(module)
+
+    def release(self, module) -> None:
+        """ModTracker hooks the inputs of a module's forward that need a gradient (register_multi_grad_hook); on a
+        leaf (torchtitan's loss chunks, detached from the model) the hook holds the leaf's AccumulateGrad, which holds
+        the leaf: a cycle through C++ that no collection frees, so the tracker alone would keep the leaf to the step's
+        end. Its hooks ran with the module's backward: removed then, the leaf goes when the code lets it go."""
+        pending = self._leaf_inputs.get(module)
+        for ref in pending.pop(0) if pending else ():
+            leaf = ref()
+            if leaf is not None and leaf._backward_hooks:
+                leaf._backward_hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self._peak_bytes()

@@ -38,6 +38,8 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
         absent.add(ledger.FINAL_NORM.mean)  # RMSNorm keeps no mean
     if config.final_logit_softcapping is None:
         absent.add(ledger.LOGITS_SOFTCAP_TANH)
+    if config.impl == "torchtitan" and config.loss_chunk_count:  # ChunkedLossWrapper: no logits outlive its loop
+        absent.add(ledger.LOSS_LOGITS)
     own = {x.name: x for x in implementation(config).ends}  # transformers' loss reads the logits gathered whole
     return drop_small((own.get(x.name, x) for x in ledger.END_TENSORS if x.stage == stage and x not in absent),
                       accounting)

@@ -177,8 +177,10 @@ def test_totals_say_where_the_steps_peak_is_not_modelled():
 def test_a_lower_bound_that_fits_is_a_maybe_not_a_yes():
     """Where the step's peak is not modelled, states + saved activations are a lower bound: under the budget they
     say neither yes nor no (fits null, "maybe"); over it, no. tp-sp beside dp_shard under torchtitan's pipeline is
-    not walked, and the gathered weights and fp32 gradients its stages hold all step are not in that bound."""
-    args = ["--config", "llama3-70b", "--impl", "torchtitan", "--pp", "8", "--dp-shard", "8", "--t", "2", "--totals"]
+    not walked, and the gathered weights and fp32 gradients its stages hold all step are not in that bound (its plain
+    loss: beside pp and dp_shard the chunked one is not walked either)."""
+    args = ["--config", "llama3-70b", "--impl", "torchtitan", "--pp", "8", "--dp-shard", "8", "--t", "2", "--totals",
+            "--loss-chunks", "0"]
     verdict = _json(*args)["per_gpu"]["strategies"]
     assert verdict["none"]["needed_basis"] == "the step's peak" and verdict["none"]["fits"] is False
     assert verdict["tp-sp"]["needed_basis"] == "states + saved activations" and verdict["tp-sp"]["fits"] is None
@@ -231,12 +233,18 @@ def test_qwen3_moe_totals_give_the_steps_peak_with_its_wide_normed_heads():
 
 def test_torchtitans_qwen3_totals_give_the_steps_peak_with_its_head_norms_and_cos_sin_rope():
     """torchtitan's Qwen3 attention (q_norm and k_norm on each head, CosSinRoPE) is walked
-    (memcalc.sizing.timeline.torchtitan): the verdict is on the step's peak for none, tp and tp-sp alike."""
+    (memcalc.sizing.timeline.torchtitan): the verdict is on the step's peak for none, tp and tp-sp alike; under its
+    chunked loss (its model configs') in the last MoE block's backward, under its plain loss in the loss's."""
     run = memcalc_cli("estimate", "--config", "qwen3-30b-a3b", "--impl", "torchtitan", "--totals", "--t", "4")
     assert run.code == 3, run.err
-    assert "none: no, 561,754,485,772 B = 523.17 GiB (the step's peak)" in run.out
-    assert "tp: no, 142,028,301,328 B = 132.27 GiB (the step's peak)" in run.out
-    assert "tp-sp: no, 141,411,726,352 B = 131.70 GiB (the step's peak)" in run.out
+    assert "none: no, 555,792,512,524 B = 517.62 GiB (the step's peak)" in run.out
+    assert "tp: no, 140,865,082,892 B = 131.19 GiB (the step's peak)" in run.out
+    assert "tp-sp: no, 140,235,912,716 B = 130.60 GiB (the step's peak)" in run.out
+    plain = memcalc_cli("estimate", "--config", "qwen3-30b-a3b", "--impl", "torchtitan", "--totals", "--t", "4",
+                        "--loss-chunks", "0")
+    assert "none: no, 561,754,485,772 B = 523.17 GiB (the step's peak)" in plain.out
+    assert "tp: no, 142,028,301,328 B = 132.27 GiB (the step's peak)" in plain.out
+    assert "tp-sp: no, 141,411,726,352 B = 131.70 GiB (the step's peak)" in plain.out
 
 
 def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():

@@ -95,7 +95,8 @@ def test_impl_torchtitan_under_pp_measures_the_first_and_the_last_stage_each_on_
 
 
 @pytest.mark.parametrize("strategy, layout, inner, first", [("tp-sp", "", "t", "tp"),
-                                                            ("none", "dp_shard: 2\n", "dp_shard", "dp_shard")])
+                                                            ("none", "dp_shard: 2\nloss_chunks: 0\n", "dp_shard",
+                                                             "dp_shard")])
 def test_impl_torchtitan_under_pp_and_tp_sp_or_dp_shard_measures_each_stage_as_the_first_rank_of_its_world(
         tmp_path, strategy, layout, inner, first):
     """pp x t, each stage's chunk under its TP plan; or pp x dp_shard, FSDP2 on each stage's chunk

@@ -64,7 +64,7 @@ def test_one_steps_timeline_as_png_a_panel_per_strategy(tmp_path):
 def test_a_timeline_the_step_does_not_model_is_one_line_naming_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = invoke("plot", "--config", "tiny", "--kind", "timeline", "--impl", "torchtitan", "--t", "1", "--b", "1",
-                 "--s", "1", "--out", "step.png")
+                 "--s", "1", "--loss-chunks", "0", "--out", "step.png")
     _one_line_error(run, "does not model b = s = 1")
     assert list(tmp_path.iterdir()) == []
 

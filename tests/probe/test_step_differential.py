@@ -41,7 +41,9 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position_embedding_type": "rope", 
 BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
-TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # its 8B and 70B untie them (1B, 3B: drawn)
+# its 8B and 70B untie them (1B, 3B: drawn); its plain loss, which takes any s drawn (the chunked one's cases:
+# tests/probe/libs/test_torchtitan*_step.py)
+TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False, "loss_chunks": 0} | LLAMA
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
 OLMO2 = LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True}

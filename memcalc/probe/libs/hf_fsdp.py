@@ -40,17 +40,36 @@ class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
     (MomentTracker's bookkeeping)."""
 
     def __enter__(self) -> FsdpMomentTracker:
-        """FSDPMemTracker registers no module hooks of its own: the moment's are registered here."""
+        """FSDPMemTracker registers no module hooks of its own: the moment's are registered here, and MomentTracker's
+        release of ModTracker's hooks on leaf inputs."""
         super().__enter__()
         if self._depth == 1:
             enter, leave = (lambda module, *_: self._enter(module)), (lambda module, *_: self._leave(module))
-            self._mod_tracker.register_user_hooks(enter, leave, enter, leave)
+
+            def forward(module, inputs) -> None:
+                enter(module)
+                self.note_leaves(module, inputs)
+
+            def backward(module, *_) -> None:
+                leave(module)
+                self.release(module)
+            self._mod_tracker.register_user_hooks(forward, leave, enter, backward)
         return self
 
     def __exit__(self, *args) -> None:
         if self._depth == 1:
             self._mod_tracker.clear_user_hooks()
         super().__exit__(*args)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
+        """FSDPMemTracker's wrapper of a unit's pre-forward, inside `called_again`: a unit called again in one step
+        (torchtitan's lm_head, once a loss chunk) is no next iteration."""
+        tracked = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def pre_forward(*args, **kwargs):
+            with self.called_again(fsdp_mod):
+                return tracked(*args, **kwargs)
+        return pre_forward
 
     def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
         """FSDPMemTracker's wrapper of a unit's post_backward files each unsharded .grad first, in a loop whose

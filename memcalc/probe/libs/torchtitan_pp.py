@@ -20,7 +20,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.torchtitan_step import data_parallel, flex_inputs, initialised, parallelized
+from memcalc.probe.libs.torchtitan_step import data_parallel, flex_inputs, initialised, parallelized, trainers_loss
 from memcalc.probe.step import StepMeasurement, Trainer, batch, check_route, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
@@ -67,7 +67,6 @@ class StageTrainer(Trainer):
         super().register(tracker)
         infos = (*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values())
         tracker.track_held(*(x.buffer for recv in infos for x in recv if getattr(x, "buffer", None) is not None))
-        tracker.called_per_microbatch.add(self.model)
 
     def step(self) -> None:
         """The schedule's step (`scheduled_step`), then memcalc's AdamW."""
@@ -143,11 +142,14 @@ def _chunk(config: ModelConfig, rank: int, sequence_parallel: bool, dtype: Any, 
 
 def _scheduled(chunk: Any, config: ModelConfig, rank: int, device: Any, mesh: Any, sequence: int
                ) -> tuple[Any, Any]:
-    """torchtitan's loss, and the schedule it builds around `chunk`'s PipelineStage on the pipeline's ranks (`mesh`,
-    None for the whole group), given the shapes it sends and receives (of `sequence` tokens a row)."""
+    """torchtitan's loss (on the last stage as its trainer builds it there: `trainers_loss`), and the schedule it
+    builds around `chunk`'s PipelineStage on the pipeline's ranks (`mesh`, None for the whole group), given the shapes
+    it sends and receives (of `sequence` tokens a row)."""
+    last = rank == config.pp - 1
+    plain = CrossEntropyLoss.Config(global_vocab_size=config.vocab_size)
+    loss = trainers_loss(chunk, config) if last else plain.build()
     stage = PipelineStage(chunk, rank, config.pp, device, *_shapes(config, chunk, rank, sequence),
                           group=None if mesh is None else mesh.get_group())
-    loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(
         parallelism=_parallelism(config), local_batch_size=config.b * torchtitan_microbatches(config), stages=[stage],
         loss_fn=loss)
@@ -158,13 +160,15 @@ def _shapes(config: ModelConfig, chunk: Any, rank: int, sequence: int) -> tuple[
     """What the stage receives and sends, per micro-batch (torch's static shapes: the fake group carries no
     metadata), as this rank holds them (torchtitan's TP plan passes plain local tensors): the token ids or the
     previous stage's hidden states (of `sequence` tokens a row: under SP this rank's s/t), and the hidden states or
-    this rank's columns of the logits (its lm_head's rows)."""
+    this rank's columns of the logits (its lm_head's rows; under the chunked loss, which skips lm_head, the whole
+    hidden states)."""
     b, s, h, dtype = config.b, config.s, config.h, DTYPES[config.dtype]
     hidden = torch.empty(b, sequence, h, dtype=dtype, device="meta", requires_grad=True)
     received = torch.empty(b, s, dtype=torch.int64, device="meta") if rank == 0 else hidden
-    sent = torch.empty(b, s, chunk.lm_head.weight.shape[0], dtype=dtype, device="meta", requires_grad=True) \
-        if rank == config.pp - 1 else hidden
-    return received, sent
+    if rank < config.pp - 1:
+        return received, hidden
+    width = h if config.loss_chunk_count else chunk.lm_head.weight.shape[0]
+    return received, torch.empty(b, s, width, dtype=dtype, device="meta", requires_grad=True)
 
 
 def measure_torchtitan_pp_fsdp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,

@@ -21,7 +21,9 @@ from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, check_route
 
 torch = require_torch()
 
-from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402  (memcalc[torchtitan])
+from torchtitan.components.loss import (  # noqa: E402  (memcalc[torchtitan])
+    IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss,
+)
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 
@@ -89,7 +91,7 @@ def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> 
     model.train()
     if config.moe:
         shim.route_gates(model, route, config.moe_router_topk, config.ep)
-    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    loss_fn = trainers_loss(model, config)
     held: dict[str, Any] = {}
 
     def forward(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -98,10 +100,23 @@ def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> 
             held.update(flex_inputs(model, *tokens.shape, tokens.device))
         valid = (labels != IGNORE_INDEX).sum()
         pred = model(tokens, **held)
-        loss, _ = loss_fn(pred, labels, valid)
+        loss, _ = loss_fn(pred, labels, valid, **{k: v for k, v in held.items() if k == "positions"})
         return loss
 
     return forward
+
+
+def trainers_loss(model: Any, config: ModelConfig) -> Any:
+    """torchtitan's loss as its trainer builds it for `loss_chunk_count`: CrossEntropyLoss over the whole logits (0),
+    or ChunkedLossWrapper around it, given the model's lm_head, which the model then skips (the trainer's set_lm_head
+    and `_skip_lm_head = True`; under pp the last stage's chunk, `model`)."""
+    plain = CrossEntropyLoss.Config(global_vocab_size=config.vocab_size)
+    if config.loss_chunk_count == 0:
+        return plain.build()
+    wrapper = ChunkedLossWrapper.Config(num_chunks=config.loss_chunk_count, loss_fn=plain).build()
+    wrapper.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return wrapper
 
 
 def flex_inputs(model: Any, b: int, s: int, device: torch.device) -> dict[str, Any]:

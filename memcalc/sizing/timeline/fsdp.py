@@ -278,6 +278,20 @@ class Fsdp:
         if phase == "backward" or not self.explicit:  # else once the unit's prefetch is issued (`pre_forward`)
             tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
 
+    def unshard(self, tape: Tape, block: str) -> None:
+        """FSDPModule.unshard() called outside FSDP2's hooks, in forward (torchtitan's ChunkedLossWrapper on lm_head):
+        FSDPMemTracker files the all-gather's input and output as activations, then the unsharded parameters as such;
+        the buffer goes once copied out."""
+        whole, cast, buffer = self.unsharded(block), f"fsdp/{block} cast", f"fsdp/{block} all-gather"
+        if self.act != 4:
+            tape.add(cast, ACTIVATIONS, self.act * whole // self.shards, "this rank's shards cast to param_dtype")
+        tape.add(buffer, ACTIVATIONS, self.act * whole, "FSDP2's all-gather output, one flat buffer")
+        tape.mark("forward", "", f"unshard(): FSDP2's all-gather of {block}")
+        tape.drop(cast)
+        tape.add(f"fsdp/{block} unsharded", PARAMETERS, self.act * whole, "the block's parameters gathered whole")
+        tape.mark("forward", "", f"unshard(): FSDP2 copies the gathered {block} out of its all-gather buffer")
+        tape.drop(buffer)
+
     def _alone(self, block: str) -> bool:
         """Whether `block` is a group over one rank: the routed experts' at ep = dp_shard (efsdp 1), which FSDP2
         neither all-gathers nor reduce-scatters (`_copy_alone`, `_reduce_alone`)."""
@@ -414,15 +428,16 @@ class Fsdp:
             self.accumulate_unsynced(tape, block, where)
 
     def reduce_scatter(self, tape: Tape, block: str, where: str, grads: list[str],
-                       modules: tuple[str, ...] | None = None, made: str = TEMPORARIES) -> None:
-        """FSDP2's post-backward of `block` from its unsharded gradients `grads` on: resharded, the gradients
-        reduce-scattered into this rank's shard. `made`: the category FSDPMemTracker files what it makes in."""
+                       modules: tuple[str, ...] | None = None, made: str = TEMPORARIES, reshard: bool = True) -> None:
+        """FSDP2's post-backward of `block` from its unsharded gradients `grads` on: resharded (unless `reshard` is
+        off: set_reshard_after_backward(False)), the gradients reduce-scattered into this rank's shard. `made`: the
+        category FSDPMemTracker files what it makes in."""
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
         partial = [f"fsdp/{block} grad {m}" for m, *_ in self.unit(block).params if m in self.partial]  # in order
         reduced = {n: self.all_reduced(tape, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
-        tape.drop(f"fsdp/{block} unsharded")
+        tape.drop(*((f"fsdp/{block} unsharded",) if reshard else ()))
         if f"{block}{EXPERT_GROUP}" not in self.groups(block):  # a unit's last group waits (not the dense one
             # before its experts'): the previous reduce-scatter buffers, waited on now
             tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])

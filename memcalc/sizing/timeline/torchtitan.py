@@ -17,6 +17,7 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import dim_sizes, estimate
 from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
+from memcalc.model.rules import CHUNKED_LOSS
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
@@ -24,7 +25,9 @@ from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline import torchtitan_mla
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline,
+)
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import exchanged, moe_ops
 from memcalc.sizing.timeline.torchtitan_ops import (
@@ -116,10 +119,15 @@ class Parts:
         the final norm and lm_head), and on the last stage the loss's (`pipelined`: the schedule's, after the chunk
         returns)."""
         z, config = self.z, self.config
-        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, config.tie_embeddings)[1],))]
+        # under the chunked loss each chunk's backward hands lm_head's gradient over before the table's is made
+        tied = config.tie_embeddings and not config.loss_chunk_count
+        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, tied)[1],))]
         chunk = [*(first if stage.has_embedding else []), *self.blocks(layers)]
         if not stage.has_output:
             return chunk, []
+        if config.loss_chunk_count:
+            return [*chunk, self.ends(OUTPUT, "norm", final_norm_ops(z, config))], [LossChunks(
+                None, "", Walk(self.tape, "", "", self.end, self.hand_over), *chunked_loss(z, config, pipelined))]
         *norm, lm_head, loss = output_ops(z, config, pipelined)
         return [*chunk, self.ends(OUTPUT, "norm", tuple(norm)), self.ends(OUTPUT, "lm_head", (lm_head,))], [
             self.ends(None, "", (loss,))]
@@ -133,18 +141,25 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
     for i, segment in enumerate(segments):
         segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
     order = list(dict.fromkeys(x.unit for x in segments if x.unit is not None))  # the units in forward order
+    # FSDP2 prefetches in backward by the post-forward order, which the final callback of each loss chunk's backward
+    # clears: under the chunked loss each unit is gathered at its own pre-backward
+    prefetched = not parts.config.loss_chunk_count
     for segment in reversed(segments):
         i = order.index(segment.unit) if segment.unit is not None else 0
-        segment.backward(fsdp, order[i - 1] if i else None)
+        segment.backward(fsdp, order[i - 1] if i and prefetched else None)
     if fsdp is not None:  # the final callback: the embedding's post-backward (its input, the ids, needs no gradient)
-        _post_backward(fsdp, tape, "tok_embeddings", "")
+        # ModTracker queues the callback that ends tok_embeddings's backward in the first backward pass after its
+        # forward: under the chunked loss a loss chunk's, so MemTracker still reads the final callback inside it
+        _post_backward(fsdp, tape, "tok_embeddings", "" if prefetched else "tok_embeddings")
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
     tape.drop(GRAD_SEED)  # backward() returns
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
-    """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    """ConfigError for a sequence torchtitan's chunked loss refuses (`rules.CHUNKED_LOSS`), else naming the first
+    thing the torchtitan step timeline does not model yet."""
+    CHUNKED_LOSS.check(config)
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
     pp_sharded = config.pp > 1 and config.dp_shard is not None
@@ -175,6 +190,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (pp_sharded and (sharded_tp or config.ep > 1 or (config.dp_replicate or 1) > 1),
          "pp with dp_shard beside tp, ep > 1 or dp_replicate (FSDP2 on each stage's chunk is walked at t = 1 and"
          " ep = 1, without HSDP)"),
+        # ChunkedLossWrapper's FSDP2 hooks beside the schedule's unsynced gradients: not walked yet
+        (config.loss_chunk_count and pp_sharded,
+         f"torchtitan's chunked loss (loss_chunks={config.loss_chunk_count}) with pp and dp_shard (loss_chunks 0, its"
+         " plain CrossEntropyLoss, is walked there)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -247,6 +266,73 @@ class Segment:
         self.walk.backward(self.ops)
         if self.unit != "tok_embeddings":
             _post_backward(fsdp, tape, self.unit, self.where)
+
+
+@dataclass(frozen=True)
+class LossChunks:
+    """torchtitan's ChunkedLossWrapper (`chunked_loss`: its `start`, each chunk's ops, its `end`) as a segment of the
+    trainer's ops: inside the trainer's forward each chunk's forward and backward (loss.backward() on it, its seed gone
+    as it returns); nothing in the model's backward, where its autograd node hands the accumulated gradient to the
+    final norm."""
+
+    unit: None
+    where: str
+    walk: Walk
+    start: Op
+    chunks: tuple[tuple[Op, ...], ...]
+    end: Op
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op it walks, in order (`Walk.names` reads them)."""
+        return (self.start, *(x for chunk in self.chunks for x in chunk), self.end)
+
+    def forward(self, fsdp: Fsdp | None, following: str | None) -> None:
+        """Under FSDP2 lm_head's unit is resharded as the model's forward returns (lm_head did not run: the root's
+        post-forward completes the unit's, _force_complete_incomplete_states); the wrapper unshards it for the loop
+        (`Fsdp.unshard`), keeps it unsharded after each chunk's backward (`_chunk_post_backward`), and reshards it
+        after the loop."""
+        start, chunks, end = self.start, self.chunks, self.end
+        tape = self.walk.tape
+        tape.drop(f"fsdp/{OUTPUT} unsharded")
+        self.walk.forward((start,))
+        if fsdp is not None:
+            fsdp.unshard(tape, OUTPUT)
+        for i, (*loss, written) in enumerate(chunks):
+            self.walk.forward(tuple(loss))
+            self.walk.backward(tuple(loss))
+            if fsdp is not None:
+                _chunk_post_backward(fsdp, tape, i == len(chunks) - 1)
+            tape.drop(GRAD_SEED)
+            self.walk.forward((written,))
+        tape.drop(f"fsdp/{OUTPUT} unsharded")  # lm_head.reshard()
+        self.walk.forward((end,))
+
+    def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
+        """Nothing: the chunks' backward ran in forward."""
+
+
+def _chunk_post_backward(fsdp: Fsdp, tape: Tape, last: bool) -> None:
+    """FSDP2's post-backward of lm_head's unit after a loss chunk's backward, reshard_after_backward off: before the
+    last chunk without gradient sync, lm_head's gradient accumulated unreduced (`Fsdp.accumulate_unsynced`); at the
+    last, that .grad added into the accumulated one, then reduce-scattered, whose buffer the backward's final callback
+    waits on; that callback reshards every other unit still unsharded (_root_post_backward_final_callback)."""
+    grads = [n for n in tape.live if n.startswith(f"fsdp/{OUTPUT} grad ")]
+    for name in grads:
+        tape.live[name] = tape.live[name]._replace(category=GRADIENTS)
+    if not last:
+        fsdp.accumulate_unsynced(tape, OUTPUT, "lm_head")
+    else:
+        for name in grads:
+            accumulated = name.replace(" grad ", " accumulated ", 1)
+            if accumulated in tape.live:
+                tape.drop(name)
+                tape.rename(accumulated, name)
+        held = tuple(n.split(" grad ", 1)[1] for n in grads)
+        fsdp.reduce_scatter(tape, OUTPUT, "lm_head", grads, held, reshard=False)
+        tape.drop(f"fsdp/{OUTPUT} reduce-scatter")
+    # the final callback reshards the units this backward did not reach (reshard_after_forward off kept them)
+    tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" unsharded") and OUTPUT not in n])
 
 
 def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
@@ -608,18 +694,44 @@ def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
 def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[Op, ...]:
     """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens; `pipelined`, as the
     pipeline schedule computes it: the trainer's count of valid tokens and the schedule's logits outlive the loss."""
+    logits = z.tokens(z.act * z.v_t)
+    head = linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
+                  z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
+                  dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
+    return (*final_norm_ops(z, config), head, cross_entropy(z, *_freed_by_trainer(pipelined)))
+
+
+def final_norm_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The final norm, under tp its output gathered whole (lm_head's input is Replicate): the output layer's input,
+    `ledger.OUTPUT_INPUT`, whose gradient is "grad/lm_head dx"."""
     last = f"layers.{config.L}/input"
+    return (
+        norm("norm", z, rules.FINAL_NORM, "", norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+             "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
+             frees=() if z.sp else (last,)),
+        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
+                frees=("norm out",) if keeps_input(z) else ("norm out", last)),  # the norm keeps its input
+    )
+
+
+def cross_entropy(z: Sizes, pred: tuple[str, ...], count: tuple[str, ...], value: str = "loss/value",
+                  then: tuple[Step, ...] = ()) -> Op:
+    """torchtitan's cross_entropy_loss over (b, s) tokens' logits, divided by the valid tokens into `value` (0-d fp32);
+    after the division `pred` goes, and in the division's backward `count` (`_freed_by_trainer`); `then`, what the
+    caller does before loss.backward() seeds autograd; under tp vocabulary-parallel (`_loss_parallel`)."""
+    if z.t > 1:
+        return _loss_parallel(z, pred, count, value, then)
     logits, fp32, cast = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t), z.act != 4  # fp32: .float() is a no-op
-    pred, count = _freed_by_trainer(pipelined)
-    loss = Op("", forward=(
+    return Op("", forward=(
         *((Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),)
           if cast else ()),
         Step("log_softmax", (Made("loss/log_softmax", fp32, "fp32; nll_loss's and its own backward keep it"),)),
         Step("nll_loss: the summed loss and its count", (Made("loss/sum", 4, "0-d fp32"),
                                                           Made("loss/total_weight", 4, "0-d fp32, kept")),
              frees=("loss/logits fp32",)),
-        Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("divided by the valid tokens", (Made(value, 4, _value_why(value)),)),
         Step("", frees=("loss/sum", *pred)),
+        *then,
         Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     ), backward=(
         Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=count),
@@ -630,19 +742,68 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
         *((Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),),
                 frees=("grad/logits fp32",)),) if cast else ()),
     ))
-    if z.t > 1:
-        loss = _loss_parallel(z, pipelined)
-    return (
-        norm("norm", z, rules.FINAL_NORM, "", norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
-             "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
-             frees=() if z.sp else (last,)),
-        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out",) if keeps_input(z) else ("norm out", last)),  # the norm keeps its input
-        linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
-               z.weight(z.ends.head), "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
-               dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),
-        loss,
-    )
+
+
+def chunked_loss(z: Sizes, config: ModelConfig, pipelined: bool) -> tuple[Op, tuple[tuple[Op, ...], ...], Op]:
+    """torchtitan's ChunkedLossWrapper (components/loss.py) on the final norm's output, the trainer's pred (the
+    hidden states, whole under tp): their and the labels' loss_chunks chunks along s, the fp32 GradAccumulator and
+    the 0-d sum of the loss; then each chunk's ops, walked forward and backward in turn (`LossChunks`): lm_head,
+    `cross_entropy` over its tokens, the sum, and its gradient written into the buffer in fp32; at the end the buffer
+    cast to the training dtype, the final norm's dY, and the wrapper's and trainer's locals gone (`pipelined`: the
+    schedule keeps the stage's output and the trainer its count of valid tokens)."""
+    trainers = () if pipelined else (ledger.OUTPUT_INPUT.name, "loss/valid tokens")  # its pred: the norm's output
+    n = config.loss_chunk_count
+    part = replace(z, s=z.s // n, s_seq=z.s // n)  # one chunk's tokens, replicated over the TP ranks
+    copied = z.b > 1 and n > 1  # a chunk of a (b, s, ...) tensor along s is a view only with one row, or one chunk
+    hidden = tuple(f"loss/hidden chunk {i}" for i in range(n)) if copied else ()
+    labels = tuple(f"loss/label chunk {i}" for i in range(n)) if copied else ()
+    positions = tuple(f"loss/positions chunk {i}" for i in range(n)) if copied and z.cuda else ()
+    fp32 = z.act == 4  # the buffer is then the accumulated gradient itself: .to(float32) is a no-op
+    buffer = "grad/lm_head dx" if fp32 else "loss/gradient buffer"
+    start = Op("", forward=(
+        *((Step("the hidden states' chunks: contiguous copies", tuple(
+            Made(x, part.tokens(z.act * z.h), "lm_head's input, a leaf detached from the model") for x in hidden)),)
+          if hidden else ()),
+        *(Step(f"the {what} chunks", tuple(Made(x, part.tokens(8), "int64, contiguous") for x in names))
+          for what, names in (("labels'", labels), ("positions'", positions)) if names),
+        Step("GradAccumulator's buffer", (Made(buffer, z.tokens(4 * z.h), "zeros: each chunk's dX in fp32"),)),
+        Step("the loss's running sum", (Made(_total(0, n), 4, "0-d fp32"),)),
+    ), backward=())
+    chunks = tuple(_loss_chunk(z, part, i, n) for i in range(n))
+    end = Op("", forward=(
+        *(() if fp32 else (Step("the accumulated gradient cast to the training dtype", (
+            Made("grad/lm_head dx", z.tokens(z.act * z.h), "the final norm's dY, kept by the wrapper's autograd node"
+                 " for the model's backward"),)),)),
+        Step("", frees=(*hidden, *labels, *positions, *(() if fp32 else (buffer,)), f"lm_head/logits {n - 1}",
+                        f"loss/chunk {n - 1}", *trainers)),
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
+    ), backward=())
+    return start, chunks, end
+
+
+def _loss_chunk(z: Sizes, part: Sizes, i: int, n: int) -> tuple[Op, ...]:
+    """Chunk i of n (`chunked_loss`): lm_head's GEMM (the last chunk's logits go as it returns), the loss, its running
+    sum; in backward dW and the chunk's dX; then, in forward again, that dX in fp32 written into the buffer."""
+    head = linear("lm_head", None, Made(f"lm_head/logits {i}", part.tokens(z.act * z.v_t), "bf16: this chunk's"),
+                  z.weight(z.ends.head), "grad/lm_head chunk dx", part.tokens(z.act * z.h), "", frees=("grad/logits",))
+    returned = (Op("", forward=(Step("", frees=(f"lm_head/logits {i - 1}",)),), backward=()),) if i else ()
+    total = Step("the running sum: + the chunk's loss", (Made(_total(i + 1, n), 4, "0-d fp32"),),
+                 frees=(_total(i, n),))
+    loss = cross_entropy(part, (f"loss/chunk {i - 1}",) if i else (), (), f"loss/chunk {i}", (total,))
+    fp32 = (Step("the chunk's dX in fp32", (Made("loss/chunk dx fp32", part.tokens(4 * z.h), "written into the"
+                                                 " buffer"),)),) if z.act != 4 else ()  # in fp32 dX itself
+    written = Op("", forward=(*fp32, Step("", frees=("loss/chunk dx fp32", "grad/lm_head chunk dx"))), backward=())
+    return head, *returned, loss, written
+
+
+def _total(i: int, n: int) -> str:
+    """The running sum of the loss after i of n chunks; after the last, the loss the wrapper returns (a view of it)."""
+    return "loss/value" if i == n else f"loss/total {i}"
+
+
+def _value_why(value: str) -> str:
+    """Why a loss's 0-d value exists: the step's loss, or one chunk's (`chunked_loss`)."""
+    return "the loss (0-d fp32), live all step" if value == "loss/value" else "this chunk's loss (0-d fp32)"
 
 
 def _freed_by_trainer(pipelined: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -651,12 +812,12 @@ def _freed_by_trainer(pipelined: bool) -> tuple[tuple[str, ...], tuple[str, ...]
     return ((), ()) if pipelined else (("lm_head/logits",), ("loss/valid tokens",))
 
 
-def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
+def _loss_parallel(z: Sizes, pred: tuple[str, ...], count: tuple[str, ...], value: str,
+                   then: tuple[Step, ...]) -> Op:
     """torchtitan's _LossParallelCrossEntropy (components/loss.py) on this rank's v/t columns: the row maxima, the
     sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
-    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs).
-    `pipelined`: as the pipeline schedule computes it (`_freed_by_trainer`)."""
-    pred, count = _freed_by_trainer(pipelined)
+    log-probabilities; then divided by the valid tokens into `value`. Its backward builds the one-hot update and
+    exp(log_probs). `pred`, `count`, `then`: as `cross_entropy`'s."""
     n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
     row, ids, cast = z.tokens(4), z.tokens(8), z.act != 4  # fp32: .float() and the cast back are no-ops
 
@@ -697,9 +858,10 @@ def _loss_parallel(z: Sizes, pipelined: bool = False) -> Op:
         Step("summed: the loss", (Made(f"{l}/sum", 4, "0-d fp32"),), frees=(
             f"{l}/logits fp32", f"{l}/shifted", f"{l}/max", f"{l}/sum exp", f"{l}/safe labels", f"{l}/out of range",
             f"{l}/local labels", f"{l}/target", f"{l}/per token")),
-        Step("divided by the valid tokens", (Made(f"{l}/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("divided by the valid tokens", (Made(value, 4, _value_why(value)),)),
         Step("", frees=(f"{l}/sum", *pred)),
-        Step("loss.backward() seeds autograd", (Made(f"{l}/grad seed", 4, "a 0-d ones tensor"),)),
+        *then,
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     )
     backward = (
         Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=count),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
@@ -93,7 +94,9 @@ class _Schedule:
         parts, layers = self.parts, stage_layers(self.parts.config, self.stage)  # the layers the stage's chunk holds
         # what the stage's chunk returns (its last layer's output, on the last stage the logits), and the gradient of
         # its input, which it sends (but on the first stage)
-        self.output = "lm_head/logits" if self.stage.has_output else f"layers.{layers.stop}/input"
+        self.output = f"layers.{layers.stop}/input"
+        if self.stage.has_output:  # under the chunked loss the final norm's output, which lm_head's loop reads
+            self.output = ledger.OUTPUT_INPUT.name if parts.config.loss_chunk_count else "lm_head/logits"
         self.sent = f"grad/layers.{layers.start}/input"
         self.replays = Replays(parts.tape)  # the walks done, replayed where they would do the same
         # the segments walked (each walk walks a copy): CUDA's flex inputs, the chunk and the loss

@@ -135,7 +135,7 @@ def test_as_cuda_runs_it_with_experts_over_tp_sp_every_moment_happens_and_the_pe
 
 def test_only_torchtitans_step_runs_as_cuda_does():
     with pytest.raises(ConfigError, match="only with --impl torchtitan"):
-        measure_step(make_config(LLAMA3, impl="megatron"), ["none"], device="cuda")
+        measure_step(make_config(LLAMA3, impl="megatron", loss_chunks=None), ["none"], device="cuda")
 
 
 def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_path):
@@ -143,7 +143,7 @@ def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_pa
 
     path = tmp_path / "llama3.yaml"
     path.write_text("b: 1\ns: 26\nh: 64\na: 8\nL: 2\nvocab_size: 250\nffn_hidden_size: 176\nnum_query_groups: 2\n"
-                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\nloss_chunks: 0\n")
     run = memcalc_cli("measure", "--step", "--impl", "torchtitan", "--device", "cuda", "--config", str(path),
                       "--strategy", "tp-sp", "--t", "2")
     assert run.code == 0 and run.err == ("memcalc: note: llama3 sets no mlp, attention, norm, dropout, recompute: impl"
@@ -166,3 +166,27 @@ def test_in_fp32_as_cuda_runs_it_memtracker_reaches_the_peak_to_the_byte(one_thr
     (r,) = measure_step(config, [strategy], device="cuda")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# torchtitan's ChunkedLossWrapper as CUDA runs it: the positions chunked beside the labels (b > 1: copies), and under
+# FSDP2 lm_head's unit gathered for the loop
+CHUNKED = [
+    ({"loss_chunks": 4}, "none"),
+    ({"loss_chunks": 4, "b": 1, "recompute": "op"}, "none"),
+    ({"loss_chunks": 2, "t": 2}, "tp-sp"),
+    ({"loss_chunks": 3, "t": 2, "b": 3, "s": 12, "recompute": "full"}, "tp"),
+    ({"loss_chunks": 2, "dp_shard": 2}, "none"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED, ids=str)
+def test_as_cuda_runs_it_under_the_chunked_loss_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, strategy):
+    (r,) = measure_step(make_config(LLAMA3, **changes), [strategy], device="cuda")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED[:4], ids=str)
+def test_as_cuda_runs_it_under_the_chunked_loss_every_moment_happens_in_order(one_thread, changes, strategy):
+    config = make_config(LLAMA3, **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CUDA).moments[1:-1], _readings(config, strategy))

@@ -268,3 +268,26 @@ def test_experts_sharded_unevenly_on_dim_1_are_refused_in_one_line_as_fully_shar
     c = replace(make_config(LLAMA3, **MOE, dp_shard=4), dp_shard=16)
     with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
         run_fake(_stage_shards, (replace(c, pp=1), 0, "none"), 16)
+
+
+# torchtitan's ChunkedLossWrapper under FSDP2: lm_head's unit resharded as the model's forward returns, unshard() for
+# the loop, each chunk's post-backward without gradient sync but the last (reduce-scattered, kept unsharded), each
+# chunk's final callback resharding the other units (kept by reshard_after_forward off) and clearing the order backward
+# prefetches by, the unit resharded after the loop
+CHUNKED = [
+    ({"dp_shard": 2, "loss_chunks": 2}, "none"),
+    ({"dp_shard": 4, "loss_chunks": 4, "reshard_after_forward": False, "recompute": "op"}, "none"),
+    ({"dp_shard": 2, "loss_chunks": 3, "b": 1, "s": 9, "recompute": "full"}, "none"),
+    ({"dp_shard": 2, "loss_chunks": 2, "dtype": "fp32"}, "none"),
+    ({"dp_shard": 2, "loss_chunks": 2, "t": 2}, "tp-sp"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED, ids=str)
+def test_under_the_chunked_loss_every_moment_and_the_peak_are_fsdpmemtrackers(one_thread, changes, strategy):
+    config = make_config(LLAMA3, **changes)
+    (r,) = measure_step(config, [strategy])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.matches and r.moment_matches, (r.predicted_moment, r.measured.moment)
+    predicted = timeline(config, STRATEGIES[strategy], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, strategy))

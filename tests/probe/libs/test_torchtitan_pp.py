@@ -187,3 +187,23 @@ def test_under_tp_every_moment_the_walk_names_happens_in_order_in_its_module_wit
                                                                                           strategy, route, stage):
     """Under tp-sp the stream's layout on each stage: batch-first where it was received, its gradient where sent."""
     _assert_moments_in_order(_config_t(changes), stage, route, strategy)
+
+
+# torchtitan's ChunkedLossWrapper on the last stage (its trainer's set_lm_head on the last model part, which skips
+# lm_head and sends nothing): the schedule keeps each micro-batch's hidden states, the loop runs inside its loss
+CHUNKED = [
+    ({"loss_chunks": 4}, "none"),
+    ({"loss_chunks": 2, "recompute": "op", "num_microbatches": 3}, "none"),
+    ({"loss_chunks": 3, "b": 1, "s": 9, "recompute": "full"}, "none"),
+    ({"loss_chunks": 2, "pp": 4, "L": 4, "b": 1, "s": 8}, "none"),  # the last stage: the norm and lm_head alone
+    ({"loss_chunks": 2, "t": 2}, "tp-sp"),
+    ({"loss_chunks": 4, "t": 2, "dtype": "fp32", "b": 3, "s": 8}, "tp"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy", CHUNKED, ids=str)
+def test_under_the_chunked_loss_the_last_stage_is_memtrackers_moment_by_moment_and_at_the_peak(one_thread, changes,
+                                                                                                 strategy):
+    config = _config(changes)
+    _assert_peak_exact(config, "last", "cpu", strategy=strategy)
+    _assert_moments_in_order(config, "last", strategy=strategy)

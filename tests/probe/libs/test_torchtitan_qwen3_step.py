@@ -91,6 +91,16 @@ def test_with_experts_its_qwen3_moe_step_is_memtrackers(one_thread, changes, str
 
 
 @pytest.mark.parametrize("changes, strategy, route", [
+    ({"loss_chunks": 4}, "none", None),
+    (MOE | {"t": 2, "s": 10, "loss_chunks": 5}, "tp-sp", "all-to-one"),
+    (MOE | {"t": 2, "ep": 2, "b": 1, "s": 6, "loss_chunks": 3, "recompute": "op"}, "tp-sp", "balanced"),
+], ids=str)
+def test_under_the_chunked_loss_its_qwen3_step_is_memtrackers(one_thread, changes, strategy, route):
+    """Its model's end is Llama3's: the chunked loss's walk is the one."""
+    _assert_exact(make_config(LLAMA3, **(QWEN3 | changes)), strategy, route)
+
+
+@pytest.mark.parametrize("changes, strategy, route", [
     ({"b": 1, "s": 13}, "none", None),  # as CUDA runs it: the fused head norms keep q and k, RoPE's gathered table
     ({"t": 2, "b": 2, "s": 10, "recompute": "full"}, "tp-sp", None),
     (MOE | {"b": 1, "s": 7, "recompute": "op"}, "none", "balanced"),

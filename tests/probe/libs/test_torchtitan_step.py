@@ -22,7 +22,7 @@ from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
 from ..step_readings import (  # noqa: E402
-    assert_moments_in_order, readings_after_every_op, readings_of_the_measured_step,
+    assert_moments_in_order, assert_step_exact_moment_by_moment, readings_after_every_op, readings_of_the_measured_step,
 )
 
 CPU = Accounting(exact=True, device="cpu")
@@ -438,3 +438,31 @@ def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_t
     assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], readings)
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# -- torchtitan's ChunkedLossWrapper (its model configs' loss): the final norm's output split along s, each chunk's
+# lm_head, loss and backward inside the trainer's forward, their dX gathered in an fp32 buffer ---------------------
+
+CHUNKED = [
+    ({"loss_chunks": 4}, "none", "none"),  # b > 1: the hidden states' and labels' chunks are copies
+    ({"loss_chunks": 4, "b": 1}, "none", "none"),  # b = 1: views of them
+    ({"loss_chunks": 3, "s": 9}, "none", "op"),  # an odd s in an odd count of chunks
+    ({"loss_chunks": 1, "b": 1, "s": 7}, "none", "full"),  # one chunk: the whole sequence, through the wrapper
+    ({"loss_chunks": 8, "tie_embeddings": True}, "none", "none"),  # lm_head's gradient handed over chunk by chunk
+    ({"loss_chunks": 2, "dtype": "fp32"}, "none", "none"),  # fp32: the buffer is the gradient, no casts
+    ({"loss_chunks": 4, "t": 2}, "tp-sp", "none"),  # the norm's output gathered whole, each chunk vocabulary-parallel
+    ({"loss_chunks": 3, "t": 2, "b": 1, "s": 12}, "tp-sp", "full"),
+    ({"loss_chunks": 2, "t": 2}, "tp", "op"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy, recompute", CHUNKED, ids=str)
+def test_under_the_chunked_loss_every_moment_and_the_peak_are_memtrackers(one_thread, changes, strategy, recompute):
+    assert_step_exact_moment_by_moment(make_config(LLAMA3, recompute=recompute, **changes), strategy,
+                                       "torchtitan's Llama3Model")
+
+
+def test_with_experts_under_the_chunked_loss_every_moment_and_the_peak_are_memtrackers(one_thread):
+    """The model's end is the dense model's: a MoE model's too."""
+    config = make_config(LLAMA3, **MOE, b=3, s=6, loss_chunks=3, recompute="op")
+    assert_step_exact_moment_by_moment(config, "none", "torchtitan's Llama3Model", "balanced")
