@@ -438,15 +438,20 @@ class MomentTracker(MemTracker):
             parents.discard("one step")
 
     def _pre_fw_hook(self, module, inputs) -> None:
+        outermost = not self.entered
         with self.called_again(module):
             super()._pre_fw_hook(module, inputs)
         self._enter(module)
-        self.note_leaves(module, inputs)
+        if outermost:
+            self.note_leaves(module, inputs)
 
     def note_leaves(self, module, inputs) -> None:
-        """In forward, the leaves among `module`'s inputs that need a gradient, for `release`."""
+        """In forward, the leaves among the inputs of a module called outside any other (`_pre_fw_hook`: the loss
+        chunks' lm_head, a pipeline stage) that need a gradient, for `release`. Noting them inside a layer changed
+        what MemTracker read in Megatron's latent attention (its moment-by-moment tests), for a reason not yet found."""
         if not self._mod_tracker.is_bw:
-            leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad]
+            leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad
+                      and not isinstance(x, torch.nn.Parameter)]
             self._leaf_inputs.setdefault(module, []).append([weakref.ref(x) for x in leaves])
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
@@ -466,11 +471,15 @@ class MomentTracker(MemTracker):
         """ModTracker hooks the inputs of a module's forward that need a gradient (register_multi_grad_hook); on a
         leaf (torchtitan's loss chunks, detached from the model) the hook holds the leaf's AccumulateGrad, which holds
         the leaf: a cycle through C++ that no collection frees, so the tracker alone would keep the leaf to the step's
-        end. Its hooks ran with the module's backward: removed then, the leaf goes when the code lets it go."""
+        end. Its hooks ran with the module's backward: removed then, the leaf goes when the code lets it go. A leaf
+        that another module's pending backward also reads (a layer's input, read by two projections and the layer)
+        keeps its hooks until the last of them: they are that module's too."""
         pending = self._leaf_inputs.get(module)
-        for ref in pending.pop(0) if pending else ():
+        done = pending.pop(0) if pending else []
+        others = {id(ref()) for forwards in self._leaf_inputs.values() for refs in forwards for ref in refs}
+        for ref in done:
             leaf = ref()
-            if leaf is not None and leaf._backward_hooks:
+            if leaf is not None and leaf._backward_hooks and id(leaf) not in others:
                 leaf._backward_hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
