@@ -177,11 +177,12 @@ def layer_collectives(
     # at each projection (`_latent`); torchtitan's replicates its down projections and gathers x once at the
     # attention's entry, kept by its colwise up projections: a pair like any
     downs_gathered = any(r.style is Style.COLWISE_GATHER_OUTPUT and r.pair is None for r in tp_plan.rules)
-    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and downs_gathered else
-              _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
-              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if routes_shards and knobs.t == 1:  # ep over the FSDP2 ranks: no TP pair runs, the MoE's exchange alone
         blocks = [_routed_shards(knobs, tp_plan)]
+    else:
+        blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION and downs_gathered else
+                  _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
+                  _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
@@ -524,7 +525,8 @@ _FACTORS = {
     (Group.EP, Count.WHOLE): ("(ep-1)/ep", "\\frac{ep-1}{ep}"),
     (Group.TP_EP, Count.EACH): ("(t*ep-1)", "(t \\, ep-1)"),
 }
-_FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)"),
+_FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"),
+               (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)"),
                (Group.EP, Count.WHOLE): _FACTORS[Group.EP, Count.WHOLE]}  # the token counts, at ep over dp_shard
 
 

@@ -100,8 +100,8 @@ def layers_changed(config: ModelConfig, rank: int) -> bool:
     """Whether pipeline rank `rank`'s model chunks (`ModelConfig.rank_chunks`) hold other numbers or kinds of layers,
     dense or MoE, than the rank's before it: DeepSeek-V3's first dense layers on the first rank, MoE ones from the
     next on; under Megatron's uneven split a first stage of num_layers_in_first_pipeline_stage layers, the next of
-    its share of the rest. Of ranks alike, the lowest keeps the most micro-batches in flight (`in_flight`), the same states: the others
-    bound nothing."""
+    its share of the rest. Of ranks alike, the lowest keeps the most micro-batches in flight (`in_flight`), the
+    same states: the others bound nothing."""
     def kinds(r: int) -> list[list[bool]]:
         return [[config.is_moe_layer(i) for i in x] for x in config.rank_chunks(r)]
     return kinds(rank) != kinds(rank - 1)
